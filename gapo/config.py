@@ -12,6 +12,7 @@ Any switch the user sets explicitly wins over the preset.
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -202,13 +203,19 @@ class Config(_Section):
 # --------------------------------------------------------------------------------------------------
 # Loading
 # --------------------------------------------------------------------------------------------------
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
 def _parse_override(item: str) -> tuple[list[str], Any]:
     if "=" not in item:
         raise ConfigError(f"override {item!r}: expected key.path=value, e.g. trainer.lr=2e-6")
     key, raw = item.split("=", 1)
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override {item!r}: empty key path")
-    return key.split("."), yaml.safe_load(raw) if raw != "" else ""
+    value = yaml.safe_load(raw) if raw != "" else ""
+    if isinstance(value, str) and _FLOAT.fullmatch(value):  # YAML 1.1 reads 2e-6 (no dot) as a string
+        value = float(value)
+    return key.split("."), value
 
 
 def _set_path(tree: dict, path: list[str], value: Any) -> None:
@@ -224,13 +231,13 @@ def _set_path(tree: dict, path: list[str], value: Any) -> None:
 def _format_errors(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
-        path = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        path = ".".join(str(p) for p in e["loc"])
         if e["type"] == "extra_forbidden":
             lines.append(f"{path}: unknown key (check the spelling; see `gapo-train --print-config`)")
         else:
             msg = e["msg"].removeprefix("Value error, ")
             got = f" (got {e['input']!r})" if e["type"] != "value_error" and not isinstance(e["input"], dict) else ""
-            lines.append(f"{path}: {msg}{got}")
+            lines.append(f"{path}: {msg}{got}" if path else msg)
     return "invalid configuration:\n  " + "\n  ".join(lines)
 
 

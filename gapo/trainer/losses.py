@@ -1,0 +1,232 @@
+"""The algorithm core: group advantages, importance ratios, the clipped surrogate and its metrics.
+
+Pure torch, no I/O. Notation follows the GAPO paper (§3): a group of k rollouts of one prompt, c of
+them correct, advantage A_i = R_i - mean(R) (= (k-c)/k for a correct rollout with binary rewards),
+IS ratio rho (token level) or s_i (sequence level, GSPO), and the surrogate of eq. 11
+
+    L = E[ max(-A_i * s_i, -A_i * clip(s_i, 1 - eps_lo, 1 + eps_hi(c_i))) ]
+
+where eps_hi(c) is eq. 8 (`gapo_clip_high`) for the adaptive rule and a constant for fixed clipping.
+
+Shapes: B rollouts in a micro-batch, T padded response length. `mask[b, t]` is 1 on response tokens.
+Every loss here is a *contribution to the optimizer step's loss*: its normaliser is the whole step's
+token / sequence count (`StepNorm`), so summing the micro-batch losses (over accumulation and over
+data-parallel ranks) gives exactly the loss of the whole step, whatever the split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+# exp(±20) spans [2e-9, 5e8]. A log-ratio past that only comes from a numerically broken step; clamping
+# it keeps exp() finite (no inf * 0 = NaN in the surrogate). The clamped tokens get no gradient, which
+# is what clipping would do to them anyway.
+MAX_LOG_RATIO = 20.0
+
+IsLevel = Literal["token", "sequence"]
+ClipRule = Literal["fixed", "adaptive", "cispo"]
+LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_sum_constant"]
+
+
+def gapo_clip_high(c: Tensor | int, k: Tensor | int, eps_lo: float, eps_hi_max: float) -> Tensor:
+    """Eq. 8: eps_hi(c) = eps_lo + (eps_hi_max - eps_lo) * (k - c) / (k - 1), elementwise.
+
+    Defined for 1 <= c <= k-1, the groups where a correct rollout has a positive advantage. For c = 0
+    and c = k no rollout has a positive advantage, so the upper bound is never used; c = 0 is raised to 1
+    (eps_hi_max) and c = k gives the formula's own eps_lo, so the value always lies in [eps_lo, eps_hi_max].
+    """
+    c = torch.as_tensor(c, dtype=torch.float64)
+    k = torch.as_tensor(k, dtype=torch.float64)
+    if (k < 2).any():
+        raise ValueError(f"gapo_clip_high: group size k must be >= 2, got {k.min().item():g}")
+    c = torch.minimum(torch.clamp(c, min=1.0), k)
+    return eps_lo + (eps_hi_max - eps_lo) * (k - c) / (k - 1)
+
+
+# --------------------------------------------------------------------------------------------------
+# Advantages
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class GroupAdvantages:
+    """Per-rollout advantage and the group statistics that GAPO's clip bound and the metrics need."""
+
+    adv: Tensor  # [N] float
+    c: Tensor  # [N] long: correct rollouts in this rollout's group
+    k: Tensor  # [N] long: size of this rollout's group
+    correct: Tensor  # [N] bool
+
+
+def group_advantages(rewards: Tensor, group_sizes: list[int] | Tensor, *, std_normalize: bool = False,
+                     focal_gamma: float = 0.0, correct_threshold: float = 1.0,
+                     std_eps: float = 1e-6) -> GroupAdvantages:
+    """A_i = R_i - mean of its group (Dr.GRPO, the paper's default).
+
+    std_normalize divides by the group's sample std (GRPO); focal_gamma > 0 multiplies by (1 - c/k)^gamma
+    (F-GRPO). Groups are contiguous runs of `rewards` and may differ in size (after filtering).
+    A group whose rewards are all equal gets A = 0 exactly (also with std normalisation).
+    """
+    rewards = rewards.to(torch.float64)
+    sizes = torch.as_tensor(group_sizes, dtype=torch.long)
+    if sizes.sum().item() != rewards.numel():
+        raise ValueError(f"group sizes sum to {sizes.sum().item()} but there are {rewards.numel()} rewards")
+    if (sizes < 1).any():
+        raise ValueError("every group needs at least one rollout")
+    gid = torch.repeat_interleave(torch.arange(len(sizes)), sizes)
+    n = sizes.to(torch.float64)
+    correct = rewards >= correct_threshold
+    c_group = torch.zeros(len(sizes), dtype=torch.long).index_add_(0, gid, correct.long())
+    mean = torch.zeros(len(sizes), dtype=torch.float64).index_add_(0, gid, rewards) / n
+    adv = rewards - mean[gid]
+    if std_normalize:
+        sq = torch.zeros(len(sizes), dtype=torch.float64).index_add_(0, gid, adv**2)
+        std = torch.sqrt(sq / (n - 1).clamp(min=1))  # Bessel-corrected, as GRPO implementations do
+        adv = adv / (std[gid] + std_eps)
+    c, k = c_group[gid], sizes[gid]
+    if focal_gamma > 0:
+        adv = adv * (1.0 - c / k) ** focal_gamma
+    return GroupAdvantages(adv=adv.to(torch.float32), c=c, k=k, correct=correct)
+
+
+def group_metrics(c: Tensor, k: Tensor) -> dict[str, float]:
+    """Share of groups that are all correct / all wrong, from per-rollout c and k (each group weighs 1)."""
+    w = 1.0 / k.to(torch.float64)
+    groups = w.sum()
+    return {"group/all_correct_frac": float((w * (c == k)).sum() / groups),
+            "group/all_wrong_frac": float((w * (c == 0)).sum() / groups)}
+
+
+# --------------------------------------------------------------------------------------------------
+# Surrogate loss
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class StepNorm:
+    """Normalisers of the whole optimizer step (all micro-batches, all ranks)."""
+
+    tokens: float  # response tokens in the step
+    seqs: float  # rollouts in the step
+    constant: float = 1.0  # Dr.GRPO's per-sequence constant (e.g. max response length)
+
+
+@dataclass
+class RolloutStats:
+    """Per-rollout numbers from one loss evaluation; concatenated over the step, they give every metric
+    (so metrics are exact over micro-batches and ranks, not means of means)."""
+
+    seq_log_ratio: Tensor  # [B] mean over response tokens of logp - old_logp
+    adv: Tensor  # [B]
+    c: Tensor  # [B]
+    k: Tensor  # [B]
+    n_tokens: Tensor  # [B]
+    clip_hi_tokens: Tensor  # [B] tokens whose gradient the upper bound removed (CISPO: whose weight it capped)
+    clip_lo_tokens: Tensor  # [B]
+    kl_sum: Tensor  # [B] sum over tokens of the k3 estimate of KL(old || new)
+
+    @classmethod
+    def cat(cls, parts: list[RolloutStats]) -> RolloutStats:
+        return cls(**{f.name: torch.cat([getattr(p, f.name) for p in parts]) for f in fields(cls)})
+
+
+def policy_loss(logp: Tensor, old_logp: Tensor, mask: Tensor, adv: Tensor, c: Tensor, k: Tensor,
+                eps_lo: float, eps_hi: float | Tensor, norm: StepNorm, *, is_level: IsLevel = "sequence",
+                clip_rule: ClipRule = "fixed", loss_agg: LossAgg = "token_mean") -> tuple[Tensor, RolloutStats]:
+    """The clipped surrogate for one micro-batch.
+
+    logp, old_logp, mask: [B, T]; adv, c, k: [B]; eps_hi: scalar or [B] (adaptive, from c).
+    Returns this micro-batch's share of the step loss and its per-rollout stats.
+    """
+    mask = mask.to(logp.dtype)
+    n_tok = mask.sum(-1)  # [B]
+    log_ratio = (logp - old_logp) * mask
+    seq_log_ratio = log_ratio.sum(-1) / n_tok.clamp(min=1)  # [B]
+    if is_level == "token":
+        log_rho = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    else:
+        # GSPO-token form: value s_i on every token, gradient s_i * grad log pi(y_t) per token.
+        s = seq_log_ratio.detach().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+        log_rho = s[:, None] + logp - logp.detach()
+    rho = torch.exp(log_rho)  # [B, T]
+    hi = torch.as_tensor(eps_hi, dtype=rho.dtype, device=rho.device)
+    hi = 1.0 + (hi[:, None] if hi.ndim == 1 else hi)
+    lo = 1.0 - eps_lo
+    a = adv.to(rho.dtype)[:, None]
+    if clip_rule == "cispo":
+        weight = torch.minimum(torch.clamp(rho, min=lo), hi).detach()
+        per_tok = -a * weight * logp
+        clip_hi = rho.detach() > hi
+        clip_lo = rho.detach() < lo
+    else:
+        per_tok = torch.maximum(-a * rho, -a * torch.minimum(torch.clamp(rho, min=lo), hi))
+        clip_hi = (a > 0) & (rho.detach() > hi)
+        clip_lo = (a < 0) & (rho.detach() < lo)
+
+    if loss_agg == "token_mean":
+        loss = (per_tok * mask).sum() / norm.tokens
+    elif loss_agg == "seq_mean_token_mean":
+        loss = ((per_tok * mask).sum(-1) / n_tok.clamp(min=1)).sum() / norm.seqs
+    elif loss_agg == "seq_sum_constant":
+        loss = (per_tok * mask).sum() / (norm.seqs * norm.constant)
+    else:
+        raise ValueError(f"unknown loss aggregation {loss_agg!r}")
+
+    with torch.no_grad():
+        d = (old_logp - logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+        k3 = (torch.exp(d) - 1 - d) * mask  # KL(old || new) estimator, >= 0
+        stats = RolloutStats(seq_log_ratio=seq_log_ratio.detach().float(), adv=adv.detach().float(),
+                             c=c.long(), k=k.long(), n_tokens=n_tok.detach().float(),
+                             clip_hi_tokens=(clip_hi * mask).sum(-1).float(),
+                             clip_lo_tokens=(clip_lo * mask).sum(-1).float(), kl_sum=k3.sum(-1).float())
+    return loss, stats
+
+
+def kl_penalty(logp: Tensor, ref_logp: Tensor, mask: Tensor, norm: StepNorm) -> Tensor:
+    """k3 estimate of KL(pi || pi_ref) per token, token-mean over the step (optional; the paper uses none)."""
+    d = (ref_logp - logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    return ((torch.exp(d) - 1 - d) * mask).sum() / norm.tokens
+
+
+def loss_metrics(s: RolloutStats, is_level: IsLevel) -> dict[str, float]:
+    """The paper's figures from the step's per-rollout stats.
+
+    Clip fractions count tokens under token IS and rollouts under sequence IS (a sequence is clipped as a
+    whole). `clip_frac/c{c}` and `is_ratio/c{c}` cover positive-advantage (correct) rollouts of groups
+    with c correct, c = 1..k-1 (Fig. 3). `is_adv_corr` is Pearson's r between the sequence IS ratio and
+    the advantage over rollouts with A != 0 (Fig. 5); zero-advantage rollouts carry no gradient and would
+    only dilute it.
+    """
+    seq = is_level == "sequence"
+    has = s.n_tokens > 0
+    if seq:  # a rollout counts once, clipped if its (shared) ratio is past the bound
+        units = has.float()
+        hi = ((s.clip_hi_tokens > 0) & has).float()
+        lo = ((s.clip_lo_tokens > 0) & has).float()
+    else:
+        units, hi, lo = s.n_tokens, s.clip_hi_tokens, s.clip_lo_tokens
+    total = units.sum().clamp(min=1)
+    out = {"clip_frac": float((hi + lo).sum() / total), "clip_frac/high": float(hi.sum() / total),
+           "clip_frac/low": float(lo.sum() / total),
+           "approx_kl": float(s.kl_sum.sum() / s.n_tokens.sum().clamp(min=1))}
+    ratio = torch.exp(s.seq_log_ratio.double())
+    pos = (s.adv > 0) & has
+    kmax = int(s.k.max()) if s.k.numel() else 0
+    for cc in range(1, kmax):
+        sel = pos & (s.c == cc)
+        if sel.any():
+            out[f"clip_frac/c{cc}"] = float(hi[sel].sum() / units[sel].sum().clamp(min=1))
+            out[f"is_ratio/c{cc}"] = float(ratio[sel].mean())
+    nz = (s.adv != 0) & has
+    out["is_adv_corr"] = pearson(ratio[nz], s.adv[nz].double())
+    out["is_ratio/mean"] = float(ratio[has].mean()) if has.any() else 1.0
+    return out
+
+
+def pearson(x: Tensor, y: Tensor) -> float:
+    """Pearson's r; NaN when either side has no spread (undefined, and reported as such)."""
+    if x.numel() < 2:
+        return float("nan")
+    x, y = x - x.mean(), y - y.mean()
+    den = torch.sqrt((x * x).sum() * (y * y).sum())
+    return float((x * y).sum() / den) if den > 0 else float("nan")

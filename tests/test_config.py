@@ -1,0 +1,114 @@
+"""Config resolution: presets, overrides, and the errors a user must see."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gapo.config import PRESETS, ConfigError, load_config, resolve
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# The documented switches of every preset (README's algorithm table). A change here is a change of the
+# paper's settings and must be deliberate.
+EXPECTED = {
+    "grpo": ("token", "fixed", 0.2, 0.2, True, 0.0, "token_mean"),
+    "dr_grpo": ("token", "fixed", 0.2, 0.28, False, 0.0, "seq_sum_constant"),
+    "dapo": ("token", "fixed", 0.2, 0.28, False, 0.0, "token_mean"),
+    "gspo": ("sequence", "fixed", 3e-3, 3e-3, False, 0.0, "token_mean"),
+    "f_grpo": ("token", "fixed", 0.2, 0.2, True, 1.0, "token_mean"),
+    "f_gspo": ("sequence", "fixed", 3e-3, 5e-3, False, 1.0, "token_mean"),
+    "gapo": ("sequence", "adaptive", 3e-3, 5e-3, False, 0.0, "token_mean"),
+    "gapo_token": ("token", "adaptive", 0.2, 0.28, False, 0.0, "token_mean"),
+    "cispo": ("token", "cispo", 1.0, 4.0, False, 0.0, "token_mean"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_resolves_to_documented_switches(name):
+    a = resolve({"algorithm": {"name": name}}).algorithm
+    upper = a.eps_hi_max if a.clip == "adaptive" else a.eps_hi
+    assert (a.is_level, a.clip, a.eps_lo, upper, a.std_normalize, a.focal_gamma, a.loss_agg) == EXPECTED[name]
+
+
+def test_presets_cover_exactly_the_documented_algorithms():
+    assert set(PRESETS) == set(EXPECTED)
+
+
+def test_user_switches_win_over_preset():
+    a = resolve({"algorithm": {"name": "gspo", "eps_hi": 5e-3}}).algorithm  # GSPO-asym
+    assert (a.eps_lo, a.eps_hi, a.eps_hi_max, a.clip) == (3e-3, 5e-3, 5e-3, "fixed")
+    a = resolve({}, ["algorithm.name=gapo", "algorithm.eps_hi_max=5.25e-3", "algorithm.std_normalize=true"]).algorithm
+    assert (a.eps_hi_max, a.std_normalize, a.is_level) == (5.25e-3, True, "sequence")
+    a = resolve({}, ["algorithm.name=grpo", "algorithm.focal_gamma=0.5", "algorithm.is_level=sequence"]).algorithm
+    assert (a.focal_gamma, a.is_level, a.eps_lo) == (0.5, "sequence", 0.2)
+
+
+def test_dotted_overrides_reach_every_section():
+    cfg = resolve({"trainer": {"lr": 1e-6}}, ["trainer.lr=2e-6", "rollout.group_size=4", "tracking.tags=[a, b]",
+                                               "trainer.ppo_mini_batch_size=32",
+                                               "trainer.output_dir=/tmp/x"])
+    assert cfg.trainer.lr == 2e-6 and cfg.rollout.group_size == 4 and cfg.tracking.tags == ["a", "b"]
+    assert cfg.trainer.output_dir == "/tmp/x"
+
+
+def test_dr_grpo_constant_defaults_to_max_new_tokens():
+    cfg = resolve({"algorithm": {"name": "dr_grpo"}, "rollout": {"max_new_tokens": 300}})
+    assert cfg.algorithm.loss_constant == 300.0
+
+
+@pytest.mark.parametrize("raw, overrides, needles", [
+    ({}, ["algorithm.name=ppo2"], ["algorithm.name", "'ppo2'", "gapo", "gspo"]),
+    ({}, ["algorithm.eps_lo=0.01", "algorithm.eps_hi_max=0.005"], ["algorithm.eps_lo=0.01", "eps_hi_max=0.005"]),
+    ({}, ["rollout.group_size=1"], ["rollout.group_size", "greater than or equal to 2", "got 1"]),
+    ({}, ["trainer.lr=-1e-6"], ["trainer.lr", "greater than 0", "-1e-06"]),
+    ({"trainer": {"lrr": 1e-6}}, [], ["trainer.lrr", "unknown key"]),
+    ({"trainerr": {}}, [], ["trainerr", "unknown key"]),
+    ({}, ["trainer.total_steps=ten"], ["trainer.total_steps", "'ten'"]),
+    ({}, ["trainer.ppo_mini_batch_size=48"], ["trainer.ppo_mini_batch_size=48", "64"]),
+    ({}, ["algorithm.name=grpo", "algorithm.eps_lo=1.0"], ["algorithm.eps_lo=1.0", "< 1"]),
+    ({}, ["trainer.lr"], ["override 'trainer.lr'", "key.path=value"]),
+    ({}, ["trainer.lr.x=1"], ["trainer.lr", "valid number"]),
+])
+def test_bad_configs_name_key_value_and_rule(raw, overrides, needles):
+    with pytest.raises(ConfigError) as e:
+        resolve(raw, overrides)
+    for needle in needles:
+        assert needle in str(e.value), (needle, str(e.value))
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="nope.yaml.*not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer: [unclosed\n")
+    with pytest.raises(ConfigError, match="bad.yaml: not valid YAML"):
+        load_config(bad)
+
+
+def _cli(*args, cwd=ROOT):
+    exe = Path(sys.executable).parent / "gapo-train"
+    return subprocess.run([str(exe), *args], capture_output=True, text=True, cwd=cwd, timeout=120)
+
+
+def test_print_config_round_trips_and_works_from_any_directory(tmp_path):
+    r = _cli("--config", "tiny_cpu", "--print-config", "algorithm.name=gspo", "trainer.total_steps=7", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    printed = yaml.safe_load(r.stdout)
+    assert printed["algorithm"]["name"] == "gspo" and printed["trainer"]["total_steps"] == 7
+    assert printed["algorithm"]["is_level"] == "sequence"
+    assert resolve(printed).model_dump() == load_config(ROOT / "configs/tiny_cpu.yaml",
+                                                        ["algorithm.name=gspo", "trainer.total_steps=7"]).model_dump()
+
+
+def test_cli_reports_config_errors_on_stderr():
+    r = _cli("--config", "configs/tiny_cpu.yaml", "--print-config", "algorithm.eps_lo=0.9")
+    assert r.returncode == 2 and "algorithm.eps_lo=0.9" in r.stderr and r.stdout == ""
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_resolves_and_opens_with_its_command(path):
+    assert path.read_text().startswith("# gapo-train --config"), f"{path.name} must open with its command"
+    load_config(path)

@@ -1,0 +1,303 @@
+"""The algorithm core against hand-computed values, naive references, finite differences and splits."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from gapo.trainer.losses import (
+    RolloutStats,
+    StepNorm,
+    gapo_clip_high,
+    group_advantages,
+    group_metrics,
+    loss_metrics,
+    policy_loss,
+)
+
+# ---------------------------------------------------------------- eq. 8
+
+
+@pytest.mark.parametrize(
+    "k, eps_lo, eps_hi_max, expected",
+    [
+        # k = 4, token-IS values 0.2 / 0.28: 0.2 + 0.08 * (4 - c) / 3
+        (4, 0.2, 0.28, {1: 0.28, 2: 0.2 + 0.08 * 2 / 3, 3: 0.2 + 0.08 / 3}),
+        # k = 8, the paper's Qwen values 3e-3 / 5e-3, worked by hand: 3e-3 + 2e-3 * (8 - c) / 7
+        (8, 3e-3, 5e-3, {1: 5.0e-3, 2: 4.714285714e-3, 3: 4.428571429e-3, 4: 4.142857143e-3,
+                         5: 3.857142857e-3, 6: 3.571428571e-3, 7: 3.285714286e-3}),
+        # k = 8, the DS-R1-distill values 7e-5 / 3e-4
+        (8, 7e-5, 3e-4, {1: 3e-4, 4: 7e-5 + 2.3e-4 * 4 / 7, 7: 7e-5 + 2.3e-4 / 7}),
+    ],
+)
+def test_clip_high_table(k, eps_lo, eps_hi_max, expected):
+    cs = torch.tensor(list(expected))
+    got = gapo_clip_high(cs, k, eps_lo, eps_hi_max)
+    np.testing.assert_allclose(got.numpy(), list(expected.values()), rtol=1e-9)
+
+
+def test_clip_high_monotone_per_group_size_and_edges():
+    c = torch.tensor([0, 1, 2, 3, 4, 0, 2, 8])
+    k = torch.tensor([4, 4, 4, 4, 4, 8, 8, 8])
+    got = gapo_clip_high(c, k, 0.2, 0.28)
+    assert got[0] == pytest.approx(0.28) and got[4] == pytest.approx(0.2)  # c = 0 and c = k stay in range
+    assert got[7] == pytest.approx(0.2)
+    assert torch.all(got[1:4].diff() < 0)  # more correct -> tighter bound
+    assert got[6] == pytest.approx(0.2 + 0.08 * 6 / 7)  # k differs per element
+
+
+def test_clip_high_rejects_k_below_two():
+    with pytest.raises(ValueError, match="k must be >= 2"):
+        gapo_clip_high(torch.tensor([1]), torch.tensor([1]), 0.2, 0.28)
+
+
+# ---------------------------------------------------------------- advantages
+
+
+def test_dr_grpo_advantage_is_k_minus_c_over_k():
+    rewards = torch.tensor([1.0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 0, 1])
+    ga = group_advantages(rewards, [8, 8])
+    assert ga.adv[0] == pytest.approx(7 / 8) and ga.adv[1] == pytest.approx(-1 / 8)
+    assert ga.adv[8] == pytest.approx(1 / 8) and ga.adv[14] == pytest.approx(-7 / 8)
+    assert ga.c.tolist() == [1] * 8 + [7] * 8 and ga.k.tolist() == [8] * 16
+    assert torch.equal(ga.correct, rewards >= 1)
+
+
+def test_uneven_groups_std_and_uniform_groups():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0])
+    ga = group_advantages(rewards, [3, 2, 4, 1], std_normalize=True)
+    g1 = np.array([1.0, 0, 0])
+    np.testing.assert_allclose(ga.adv[:3].numpy(), (g1 - g1.mean()) / (g1.std(ddof=1) + 1e-6), rtol=1e-5)
+    assert torch.all(ga.adv[3:5] == 0) and torch.all(ga.adv[5:9] == 0) and ga.adv[9] == 0  # uniform groups
+    assert ga.c.tolist() == [1, 1, 1, 2, 2, 0, 0, 0, 0, 1] and ga.k.tolist() == [3, 3, 3, 2, 2, 4, 4, 4, 4, 1]
+
+
+def test_focal_shaping():
+    rewards = torch.tensor([1.0, 1.0] + [0.0] * 6)
+    plain = group_advantages(rewards, [8])
+    focal = group_advantages(rewards, [8], focal_gamma=2.0)
+    np.testing.assert_allclose(focal.adv.numpy(), plain.adv.numpy() * (1 - 2 / 8) ** 2, rtol=1e-6)
+    assert plain.adv[0] == pytest.approx(6 / 8)
+
+
+def test_correct_threshold_and_group_metrics():
+    ga = group_advantages(torch.tensor([0.6, 0.4, 1.0, 1.0, 0.0, 0.0]), [2, 2, 2], correct_threshold=0.5)
+    assert ga.c.tolist() == [1, 1, 2, 2, 0, 0]
+    m = group_metrics(ga.c, ga.k)
+    assert m == {"group/all_correct_frac": pytest.approx(1 / 3), "group/all_wrong_frac": pytest.approx(1 / 3)}
+
+
+def test_group_sizes_must_match():
+    with pytest.raises(ValueError, match="sum to 7"):
+        group_advantages(torch.zeros(8), [4, 3])
+
+
+# ---------------------------------------------------------------- surrogate: reference and gradients
+
+
+def _batch(B=12, T=9, V=11, seed=0, dtype=torch.float64, spread=0.05):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, T, V, generator=g, dtype=dtype)
+    old_logits = logits + spread * torch.randn(B, T, V, generator=g, dtype=dtype)
+    tokens = torch.randint(0, V, (B, T), generator=g)
+    lengths = torch.randint(2, T + 1, (B,), generator=g)
+    mask = (torch.arange(T)[None] < lengths[:, None]).to(dtype)
+    old_logp = torch.log_softmax(old_logits, -1).gather(-1, tokens[..., None]).squeeze(-1)
+    rewards = (torch.rand(B, generator=g) < 0.4).to(dtype)
+    ga = group_advantages(rewards, [4] * (B // 4))
+    return logits, tokens, mask, old_logp, ga
+
+
+def _logp(logits, tokens):
+    return torch.log_softmax(logits, -1).gather(-1, tokens[..., None]).squeeze(-1)
+
+
+def _reference_loss(logp, old_logp, mask, adv, eps_lo, eps_hi, is_level, n_tokens_total):
+    """Straight from the paper's formula, one rollout at a time, no vectorisation tricks. The sequence
+    form is GSPO's own: s_i = exp(mean log-ratio) with its gradient, weighted by |y_i| under token-mean."""
+    total = 0.0
+    for i in range(logp.shape[0]):
+        n = int(mask[i].sum())
+        lr = logp[i, :n] - old_logp[i, :n]
+        hi = float(eps_hi[i]) if torch.is_tensor(eps_hi) else eps_hi
+        a = float(adv[i])
+        if is_level == "token":
+            rho = torch.exp(lr)
+            total = total + torch.maximum(-a * rho, -a * rho.clamp(1 - eps_lo, 1 + hi)).sum()
+        else:
+            s = torch.exp(lr.mean())
+            total = total + n * torch.maximum(-a * s, -a * s.clamp(1 - eps_lo, 1 + hi))
+    return total / n_tokens_total
+
+
+@pytest.mark.parametrize("is_level", ["token", "sequence"])
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_loss_and_gradient_match_reference(is_level, adaptive):
+    logits, tokens, mask, old_logp, ga = _batch(spread=0.3 if is_level == "token" else 0.02)
+    eps_lo, eps_hi_max = (0.2, 0.28) if is_level == "token" else (3e-3, 5e-3)
+    eps_hi = gapo_clip_high(ga.c, ga.k, eps_lo, eps_hi_max) if adaptive else eps_hi_max
+    norm = StepNorm(tokens=float(mask.sum()), seqs=float(mask.shape[0]))
+
+    p1 = logits.clone().requires_grad_(True)
+    loss, stats = policy_loss(_logp(p1, tokens), old_logp, mask, ga.adv.double(), ga.c, ga.k, eps_lo, eps_hi, norm,
+                              is_level=is_level)
+    loss.backward()
+    p2 = logits.clone().requires_grad_(True)
+    ref = _reference_loss(_logp(p2, tokens), old_logp, mask, ga.adv.double(), eps_lo, eps_hi, is_level, norm.tokens)
+    ref.backward()
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-10, abs=1e-12)
+    torch.testing.assert_close(p1.grad, p2.grad, rtol=1e-9, atol=1e-12)
+    assert p1.grad.abs().sum() > 0
+    # The data really exercises clipping: some rollouts/tokens are clipped and some are not.
+    assert 0 < stats.clip_hi_tokens.sum() + stats.clip_lo_tokens.sum() < mask.sum()
+
+
+@pytest.mark.parametrize("is_level", ["token", "sequence"])
+def test_gradient_matches_finite_differences(is_level):
+    logits, tokens, mask, old_logp, ga = _batch(B=8, T=5, V=6, seed=3, spread=0.2 if is_level == "token" else 0.01)
+    eps_hi = gapo_clip_high(ga.c, ga.k, 3e-3, 5e-3) if is_level == "sequence" else 0.28
+    eps_lo = 3e-3 if is_level == "sequence" else 0.2
+    norm = StepNorm(tokens=float(mask.sum()), seqs=8.0)
+
+    def f(x):
+        return policy_loss(_logp(x, tokens), old_logp, mask, ga.adv.double(), ga.c, ga.k, eps_lo, eps_hi, norm,
+                           is_level=is_level)[0]
+
+    x = logits.clone().requires_grad_(True)
+    f(x).backward()
+    h = 1e-6
+    g = torch.Generator().manual_seed(1)
+    for _ in range(25):
+        idx = tuple(int(torch.randint(0, s, (1,), generator=g)) for s in logits.shape)
+        xp, xm = logits.clone(), logits.clone()
+        xp[idx] += h
+        xm[idx] -= h
+        fd = (f(xp) - f(xm)).item() / (2 * h)
+        assert x.grad[idx].item() == pytest.approx(fd, rel=1e-5, abs=1e-9)
+
+
+def _single(adv, c, ratio, eps_hi, is_level="sequence", n=4):
+    """One rollout of n tokens whose IS ratio is `ratio` everywhere; returns (grad wrt logp, stats)."""
+    old = torch.full((1, n), -2.0, dtype=torch.float64)
+    logp = (old + math.log(ratio)).requires_grad_(True)
+    mask = torch.ones(1, n, dtype=torch.float64)
+    loss, stats = policy_loss(logp, old, mask, torch.tensor([adv]), torch.tensor([c]), torch.tensor([8]), 3e-3,
+                              eps_hi, StepNorm(tokens=n, seqs=1), is_level=is_level)
+    loss.backward()
+    return logp.grad, stats
+
+
+def test_low_c_correct_rollout_is_not_clipped_where_fixed_clip_would():
+    # c = 1: A = 7/8, ratio 1.004 lies past GSPO's 1 + 3e-3 but inside GAPO's 1 + 5e-3.
+    gapo_hi = gapo_clip_high(torch.tensor([1]), 8, 3e-3, 5e-3)
+    g_gapo, s_gapo = _single(7 / 8, 1, 1.004, gapo_hi)
+    g_fixed, s_fixed = _single(7 / 8, 1, 1.004, 3e-3)
+    assert torch.all(g_gapo < 0) and s_gapo.clip_hi_tokens.item() == 0  # still pushes logp up
+    assert torch.all(g_fixed == 0) and s_fixed.clip_hi_tokens.item() == 4
+
+
+def test_high_c_correct_rollout_is_clipped_where_wide_fixed_clip_is_not():
+    # c = 7: A = 1/8, GAPO's bound is 1 + 3.29e-3; GSPO-asym's fixed 1 + 5e-3 lets 1.004 through.
+    gapo_hi = gapo_clip_high(torch.tensor([7]), 8, 3e-3, 5e-3)
+    g_gapo, _ = _single(1 / 8, 7, 1.004, gapo_hi)
+    g_asym, _ = _single(1 / 8, 7, 1.004, 5e-3)
+    assert torch.all(g_gapo == 0) and torch.all(g_asym < 0)
+
+
+def test_negative_advantage_uses_lower_bound_only():
+    g_in, _ = _single(-1 / 8, 1, 0.998, 5e-3)  # 0.998 > 1 - 3e-3: inside
+    g_out, s_out = _single(-1 / 8, 1, 0.996, 5e-3)  # below 1 - 3e-3: clipped
+    g_up, _ = _single(-1 / 8, 1, 1.5, 5e-3)  # a negative rollout is never clipped from above
+    assert torch.all(g_in > 0) and torch.all(g_out == 0) and torch.all(g_up > 0)
+    assert s_out.clip_lo_tokens.item() == 4 and s_out.clip_hi_tokens.item() == 0
+
+
+def test_cispo_keeps_gradient_with_capped_weight():
+    old = torch.full((1, 3), -1.0, dtype=torch.float64)
+    logp = (old + math.log(3.0)).requires_grad_(True)  # rho = 3 > 1 + eps_hi
+    mask = torch.ones(1, 3, dtype=torch.float64)
+    loss, stats = policy_loss(logp, old, mask, torch.tensor([0.5]), torch.tensor([1]), torch.tensor([2]), 1.0, 1.0,
+                              StepNorm(tokens=3, seqs=1), is_level="token", clip_rule="cispo")
+    loss.backward()
+    # d/dlogp of -sg(min(rho, 2)) * A * logp / N = -2 * 0.5 / 3 per token: capped weight, gradient kept
+    torch.testing.assert_close(logp.grad, torch.full((1, 3), -1.0 / 3, dtype=torch.float64))
+    assert stats.clip_hi_tokens.item() == 3
+
+
+def test_overflowing_log_ratio_stays_finite():
+    old = torch.full((2, 3), -200.0, dtype=torch.float64)
+    logp = torch.zeros(2, 3, dtype=torch.float64, requires_grad=True)  # log-ratio 200: exp would overflow
+    for level in ("token", "sequence"):
+        loss, _ = policy_loss(logp, old, torch.ones(2, 3), torch.tensor([1.0, -1.0]), torch.tensor([1, 1]),
+                              torch.tensor([2, 2]), 0.2, 0.28, StepNorm(6, 2), is_level=level)
+        loss.backward()
+        assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
+
+
+# ---------------------------------------------------------------- invariance to micro-batches and ranks
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 1e-6)])
+@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean", "seq_sum_constant"])
+@pytest.mark.parametrize("is_level", ["token", "sequence"])
+def test_gradient_invariant_to_micro_batches_and_ranks(dtype, tol, loss_agg, is_level):
+    logits, tokens, mask, old_logp, ga = _batch(B=16, T=7, V=9, seed=5, dtype=dtype, spread=0.1)
+    eps_hi = gapo_clip_high(ga.c, ga.k, 0.2, 0.28)
+    norm = StepNorm(tokens=float(mask.sum()), seqs=16.0, constant=7.0)
+
+    def grad_of(splits):
+        """splits: list of ranks, each a list of micro-batch index ranges; gradients summed as DP all-reduce."""
+        total = torch.zeros_like(logits)
+        for rank in splits:
+            p = logits.clone().requires_grad_(True)
+            for lo, hi in rank:
+                sl = slice(lo, hi)
+                loss, _ = policy_loss(_logp(p[sl], tokens[sl]), old_logp[sl], mask[sl], ga.adv[sl].to(dtype),
+                                      ga.c[sl], ga.k[sl], 0.2, eps_hi[sl], norm, is_level=is_level,
+                                      loss_agg=loss_agg)
+                loss.backward()
+            total += p.grad
+        return total
+
+    full = grad_of([[(0, 16)]])
+    assert full.abs().max() > 0
+    for splits in ([[(0, 8), (8, 16)]], [[(0, 4), (4, 8), (8, 12), (12, 16)]],
+                   [[(0, 8)], [(8, 16)]], [[(0, 4), (4, 8)], [(8, 12), (12, 16)]]):
+        torch.testing.assert_close(grad_of(splits), full, rtol=tol, atol=tol)
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def _stats(seq_ratio, adv, c, k, n_tok, hi, lo):
+    t = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731
+    return RolloutStats(seq_log_ratio=torch.log(t(seq_ratio)), adv=t(adv), c=torch.tensor(c), k=torch.tensor(k),
+                        n_tokens=t(n_tok), clip_hi_tokens=t(hi), clip_lo_tokens=t(lo), kl_sum=t([0.1] * len(adv)))
+
+
+def test_loss_metrics_by_c_token_and_sequence_units():
+    s = _stats(seq_ratio=[1.3, 1.1, 1.05, 0.9, 1.0], adv=[0.875, 0.5, 0.5, -0.5, 0.0], c=[1, 4, 4, 4, 8],
+               k=[8, 8, 8, 8, 8], n_tok=[10, 4, 6, 5, 3], hi=[10, 1, 0, 0, 0], lo=[0, 0, 0, 5, 0])
+    tok = loss_metrics(s, "token")
+    assert tok["clip_frac/c1"] == pytest.approx(1.0)
+    assert tok["clip_frac/c4"] == pytest.approx(1 / 10)  # 1 of the 4 + 6 tokens of correct c = 4 rollouts
+    assert tok["clip_frac"] == pytest.approx(16 / 28) and tok["clip_frac/low"] == pytest.approx(5 / 28)
+    assert tok["is_ratio/c4"] == pytest.approx((1.1 + 1.05) / 2, rel=1e-6)
+    assert "clip_frac/c8" not in tok and "clip_frac/c2" not in tok
+    seq = loss_metrics(s, "sequence")
+    assert seq["clip_frac/c4"] == pytest.approx(1 / 2) and seq["clip_frac"] == pytest.approx(3 / 5)
+    expected_r = np.corrcoef([1.3, 1.1, 1.05, 0.9], [0.875, 0.5, 0.5, -0.5])[0, 1]  # A = 0 rollout excluded
+    assert seq["is_adv_corr"] == pytest.approx(expected_r, rel=1e-5)
+    assert seq["approx_kl"] == pytest.approx(0.5 / 28, rel=1e-6)
+
+
+def test_metrics_from_a_real_loss_evaluation():
+    logits, tokens, mask, old_logp, ga = _batch(B=16, T=8, V=7, seed=9, spread=0.05)
+    _, stats = policy_loss(_logp(logits, tokens), old_logp, mask, ga.adv.double(), ga.c, ga.k, 3e-3, 5e-3,
+                           StepNorm(float(mask.sum()), 16.0), is_level="sequence")
+    m = loss_metrics(stats, "sequence")
+    r = torch.exp(stats.seq_log_ratio.double())
+    expected_hi = ((ga.adv > 0) & (r > 1 + 5e-3)).double().mean()
+    assert m["clip_frac/high"] == pytest.approx(float(expected_hi))
+    assert m["approx_kl"] > 0
