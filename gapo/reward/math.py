@@ -1,0 +1,616 @@
+"""Math rewarder: extract the final answer, verify it with math-verify in a pool of worker processes.
+
+Why a process pool: math-verify bounds its own work with `signal.alarm`, which only works in a process's
+main thread (a framework that called it from threads scored every sample 0), and some answers (e.g.
+`\\boxed{9^{9^{9^{9}}}}`) sit in a C-level big-integer computation that no signal can interrupt. So each
+item runs in the main thread of a worker process and has a hard deadline enforced from *outside*: the
+parent kills a worker that overruns, starts a replacement, and scores the item `timeout`. Inside the
+worker a softer alarm (just under the deadline) turns interruptible slow cases into `timeout` without
+paying for a respawn. math-verify's own timeouts are switched off because they share the one alarm timer
+and, worse, report a timeout as a plain "not equal", which would masquerade as a wrong answer.
+
+Answer extraction (done in the parent, plain string scanning):
+  1. The content of the LAST `\\boxed{...}`, `\\fbox{...}` or `\\framebox{...}` in the response, with
+     nested braces balanced (escaped `\\{`/`\\}` do not count); also `\\boxed 5` without braces.
+     A last box that is never closed (a truncated response) counts as no box; earlier boxes are
+     intermediate results and are not used.
+  2. Fallback when there is no box: the text after the LAST "answer is" / "answer:" phrase (any case,
+     e.g. "The final answer is $3$.", "**Answer:** 42"), up to the end of its math delimiters or of the
+     sentence. There is deliberately no "last number in the text" fallback: it rewards responses that
+     ignore the requested format and matches stray numbers by accident.
+  3. Nothing found -> status `no_answer`.
+
+Gold answers (the benchmark's answer field as stored):
+  * str: `$` signs are dropped (OlympiadBench writes "$69$,$84$"); comma-separated values parse as a
+    set, so a multiple-answer problem needs all of them, in any order.
+  * int/float: 142.0 (AMC stores floats) becomes "142"; non-integral floats use repr.
+  * list: ALTERNATIVE spellings of one answer, matching any one is correct. That is what the lists in
+    the shared data mean: Minerva stores e.g. ['4.4e7', '4.4 \\times 10^7'], OlympiadBench always a
+    single element. `MathGold.from_record` reads a record's `unit` and `is_multiple_answer`; a
+    multiple-answer record with several list elements is joined into one set that must be matched whole.
+  * Scientific notation such as "4.5e33" (Minerva) is rewritten to `4.5\\times10^{33}` on both sides,
+    otherwise it would parse as 4.5*e*33.
+  * Units: math-verify already drops `\\text{..}`/`\\mathrm{..}` units and `^\\circ`; when a unit is given
+    (OlympiadBench's `unit` field, or the `unit=` argument) a trailing occurrence of it, bare or wrapped,
+    is also stripped from the answer, which handles bare words ("45 minutes") and percent signs.
+
+Statuses: correct / wrong / no_answer / timeout / error. A gold answer that math-verify cannot parse is
+an `error` (the data is at fault, not the model) and is logged on the "gapo.reward" logger, as are
+timeouts, worker deaths and resource errors (MemoryError, RecursionError) raised inside math-verify.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import math
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gapo.reward.types import RewardResult
+
+logger = logging.getLogger("gapo.reward")
+
+# How long a fresh worker may take to import sympy/math-verify and answer its warm-up item.
+_STARTUP_TIMEOUT_S = 120.0
+# Consecutive workers that die before becoming ready before we conclude the installation is broken.
+_MAX_STARTUP_FAILURES = 3
+_ANSWER_LOG_CHARS = 200
+
+
+# --------------------------------------------------------------------------------------------------
+# Answer extraction
+# --------------------------------------------------------------------------------------------------
+_BOX_RE = re.compile(r"\\(?:boxed|fbox|framebox)(?![A-Za-z])")
+_PHRASE_RE = re.compile(r"answer\s*(?:is\b|:)\s*:?", re.IGNORECASE)
+_MATH_DELIMS = (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]"))
+_SENTENCE_END_RE = re.compile(r"\.(?:\s|$)")
+
+
+def extract_answer(response: str) -> str | None:
+    """The final answer of a response by the rules in the module docstring, or None."""
+    boxed = _last_boxed(response)
+    if boxed is not None:
+        return boxed
+    return _answer_phrase(response)
+
+
+def _last_boxed(text: str) -> str | None:
+    matches = list(_BOX_RE.finditer(text))
+    if not matches:
+        return None
+    content = _box_argument(text, matches[-1].end())
+    if content is None or not content.strip():
+        return None
+    return content.strip()
+
+
+def _box_argument(text: str, i: int) -> str | None:
+    """The brace group starting at text[i] (after optional spaces and a [..] option), or a bare token."""
+    j = i
+    while j < len(text) and text[j].isspace():
+        j += 1
+    if j < len(text) and text[j] == "[":  # \framebox[width]{...}
+        close = text.find("]", j)
+        if close < 0:
+            return None
+        j = close + 1
+        while j < len(text) and text[j].isspace():
+            j += 1
+    if j >= len(text):
+        return None
+    if text[j] != "{":
+        if j == i:  # "\boxedx" is not a box; "\boxed 5" is
+            return None
+        token = re.match(r"[^\s$]+", text[j:])
+        return token.group(0) if token else None
+    depth = 0
+    k = j
+    while k < len(text):
+        c = text[k]
+        if c == "\\":
+            k += 2
+            continue
+        if c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+            if depth == 0:
+                return text[j + 1 : k]
+        k += 1
+    return None
+
+
+def _answer_phrase(text: str) -> str | None:
+    matches = list(_PHRASE_RE.finditer(text))
+    if not matches:
+        return None
+    rest = text[matches[-1].end() :].split("\n", 1)[0].strip().strip("*").strip()
+    for opening, closing in _MATH_DELIMS:
+        if rest.startswith(opening):
+            end = rest.find(closing, len(opening))
+            if end > 0:
+                rest = rest[len(opening) : end]
+            break
+    else:
+        end = _SENTENCE_END_RE.search(rest)
+        if end:
+            rest = rest[: end.start()]
+    rest = rest.strip().rstrip(".;,").strip()
+    return rest or None
+
+
+# --------------------------------------------------------------------------------------------------
+# Gold answers
+# --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MathGold:
+    """A normalised gold answer: alternative spellings (any one matching is correct) and an optional unit."""
+
+    answers: tuple[str, ...]
+    unit: str | None = None
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> MathGold:
+        """Gold of a benchmark record, honouring OlympiadBench's `unit` and `is_multiple_answer` fields."""
+        if "answer" not in record:
+            raise ValueError(f"math record has no 'answer' field (keys: {sorted(record)})")
+        answer = record["answer"]
+        unit = record.get("unit") or None
+        if record.get("is_multiple_answer") and isinstance(answer, list) and len(answer) > 1:
+            parts = [_gold_text(a, f"answer[{i}]") for i, a in enumerate(answer)]
+            return cls((", ".join(parts),), unit)
+        return normalize_gold(answer, unit=unit)
+
+
+def normalize_gold(gold: Any, unit: str | None = None) -> MathGold:
+    """Gold as stored (str, number, list of alternatives, or MathGold) -> MathGold; bad input raises."""
+    if isinstance(gold, MathGold):
+        return gold if unit is None else MathGold(gold.answers, unit)
+    if unit is not None and not isinstance(unit, str):
+        raise TypeError(f"unit: expected str or None, got {type(unit).__name__}")
+    if isinstance(gold, list | tuple):
+        if not gold:
+            raise ValueError("gold: empty list")
+        return MathGold(tuple(_gold_text(g, f"gold[{i}]") for i, g in enumerate(gold)), unit or None)
+    return MathGold((_gold_text(gold, "gold"),), unit or None)
+
+
+def _gold_text(value: Any, where: str) -> str:
+    if isinstance(value, bool):
+        raise TypeError(f"{where}: a bool is not a math answer ({value!r})")
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{where}: non-finite number {value!r}")
+        return str(int(value)) if value.is_integer() else repr(value)
+    if isinstance(value, str):
+        text = value.replace("$", "").strip()
+        if not text:
+            raise ValueError(f"{where}: empty answer string {value!r}")
+        return text
+    raise TypeError(f"{where}: expected str, int, float or list, got {type(value).__name__}")
+
+
+_SCI_RE = re.compile(r"(?<![\w.\\])(\d+(?:\.\d*)?|\.\d+)[eE]([+-]?\d+)(?![\w.])")
+
+
+def _as_boxed_latex(answer: str, unit: str | None) -> str:
+    """The text handed to math-verify's parser, for gold and prediction alike (so both parse the same way)."""
+    text = answer.replace("$", "").strip()
+    text = _SCI_RE.sub(r"\1\\times10^{\2}", text)
+    if unit:
+        text = _strip_unit(text, unit)
+    return "\\boxed{" + text + "}"
+
+
+def _unit_variants(unit: str) -> list[str]:
+    u = unit.replace("$", "").strip()
+    variants = {u}
+    if u in ("%", "\\%"):
+        variants |= {"%", "\\%"}
+    if "circ" in u:
+        variants |= {"^{\\circ}", "^\\circ", "\\circ", "°"}
+    return sorted((v for v in variants if v), key=len, reverse=True)
+
+
+def _strip_unit(text: str, unit: str) -> str:
+    for v in _unit_variants(unit):
+        word = re.escape(v) + ("s?" if v.isalpha() else "")
+        pattern = (
+            r"(?:\\[,;: !]|~|\s)*(?:\\(?:text|mathrm|textrm|mbox|rm)\s*\{\s*~?\s*" + word + r"\s*\}|" + word + r")\s*$"
+        )
+        stripped = re.sub(pattern, "", text)
+        if stripped != text and stripped.strip():
+            return stripped.strip()
+    return text
+
+
+# --------------------------------------------------------------------------------------------------
+# Worker process (runs `_worker_main` in its main thread)
+# --------------------------------------------------------------------------------------------------
+class _SoftTimeout(BaseException):
+    """Raised by the worker's alarm. A BaseException so math-verify's `except Exception` cannot swallow
+    it and turn a timeout into a plain False."""
+
+
+class _ResourceErrorSpy(logging.Handler):
+    """math-verify logs and swallows every exception, returning False. Resource exhaustion is not a
+    verdict about the answer, so the worker listens for it and reports `error` instead."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.seen: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, MemoryError | RecursionError):
+            self.seen.append(type(exc).__name__)
+
+
+def _set_parent_death_signal() -> None:
+    """The worker must not outlive a parent that is SIGKILLed (no atexit runs then)."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+
+
+def _worker_main(parent_pid: int, memory_mb: int) -> None:
+    """Loop: read one JSON job per line on stdin, write one JSON result per line to the protocol pipe."""
+    import resource
+
+    # The protocol gets a private copy of stdout; fd 1 then points at stderr so that stray prints from
+    # libraries can never corrupt a result line.
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    _set_parent_death_signal()
+    if os.getppid() != parent_pid:  # the parent died before the death signal was armed
+        os._exit(0)
+    if memory_mb > 0:
+        limit = memory_mb * 1024 * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    from math_verify import parse, verify
+
+    spy = _ResourceErrorSpy()
+    mv_logger = logging.getLogger("math_verify")
+    mv_logger.setLevel(logging.DEBUG)
+    mv_logger.propagate = False
+    mv_logger.handlers = [spy]
+
+    gold_cache: dict[tuple[str, str | None], Any] = {}
+
+    def parse_gold(answer: str, unit: str | None) -> Any:
+        key = (answer, unit)
+        if key not in gold_cache:
+            if len(gold_cache) > 4096:
+                gold_cache.clear()
+            gold_cache[key] = parse(_as_boxed_latex(answer, unit), parsing_timeout=None)
+        return gold_cache[key]
+
+    def check(job: dict[str, Any]) -> tuple[str, str]:
+        unit = job["unit"]
+        pred = parse(_as_boxed_latex(job["answer"], unit), parsing_timeout=None)
+        if not pred:
+            return "wrong", "answer does not parse as math"
+        unparsed_golds = []
+        for gold in job["golds"]:
+            parsed = parse_gold(gold, unit)
+            if not parsed:
+                unparsed_golds.append(gold)
+                continue
+            if verify(parsed, pred, timeout_seconds=None):
+                return "correct", ""
+        if unparsed_golds and len(unparsed_golds) == len(job["golds"]):
+            return "error", f"gold answer does not parse: {unparsed_golds[0]!r}"
+        return "wrong", ""
+
+    def on_alarm(signum: int, frame: Any) -> None:
+        raise _SoftTimeout
+
+    signal.signal(signal.SIGALRM, on_alarm)
+    check({"answer": "1", "golds": ["1"], "unit": None})  # warm-up: first use builds parser tables
+    proto.write("ready\n")
+
+    for line in sys.stdin:
+        job = json.loads(line)
+        spy.seen.clear()
+        try:
+            try:
+                signal.setitimer(signal.ITIMER_REAL, job["soft_timeout_s"])
+                status, detail = check(job)
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+        except _SoftTimeout:
+            status, detail = "timeout", "verification interrupted by the in-worker alarm"
+        except Exception as exc:  # reported as status "error"; the worker stays usable
+            status, detail = "error", f"{type(exc).__name__}: {exc}"[:300]
+        if spy.seen and status != "correct":
+            status, detail = "error", f"{spy.seen[0]} inside math-verify"
+        proto.write(json.dumps({"id": job["id"], "status": status, "detail": detail}) + "\n")
+
+
+# --------------------------------------------------------------------------------------------------
+# Parent side: the pool
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class _Job:
+    answer: str
+    golds: tuple[str, ...]
+    unit: str | None
+
+
+class _Worker:
+    """One verifier process, with the job it is working on and the time by which it must answer."""
+
+    def __init__(self, memory_mb: int) -> None:
+        package_root = str(Path(__file__).resolve().parents[2])
+        env = dict(os.environ)
+        env["PYTHONPATH"] = package_root + os.pathsep + env.get("PYTHONPATH", "")
+        code = f"from gapo.reward.math import _worker_main; _worker_main({os.getpid()}, {int(memory_mb)})"
+        # Own session: a Ctrl-C aimed at the trainer's terminal must not hit the workers mid-item.
+        self.proc = subprocess.Popen(
+            [sys.executable, "-P", "-c", code],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            start_new_session=True,
+        )
+        self.buffer = b""
+        self.ready = False
+        self.job: int | None = None
+        self.deadline = time.monotonic() + _STARTUP_TIMEOUT_S
+
+    def fileno(self) -> int:
+        return self.proc.stdout.fileno()
+
+    def send(self, message: dict[str, Any]) -> bool:
+        try:
+            self.proc.stdin.write((json.dumps(message) + "\n").encode())
+            self.proc.stdin.flush()
+            return True
+        except (BrokenPipeError, OSError):
+            return False
+
+    def read_lines(self) -> list[bytes] | None:
+        """Complete lines available now; None once the worker has closed its end (it died)."""
+        chunk = os.read(self.fileno(), 65536)
+        if not chunk:
+            return None
+        self.buffer += chunk
+        *lines, self.buffer = self.buffer.split(b"\n")
+        return lines
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        for stream in (self.proc.stdin, self.proc.stdout):
+            try:
+                stream.close()
+            except OSError as exc:  # a broken pipe on close is expected for a dead worker
+                logger.debug("closing a dead math worker's pipe: %s", exc)
+
+    def stop(self) -> None:
+        """Polite shutdown: EOF on stdin ends the worker's loop; kill it if it does not go."""
+        try:
+            self.proc.stdin.close()
+        except OSError as exc:
+            logger.debug("closing a math worker's stdin: %s", exc)
+        try:
+            self.proc.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stdout.close()
+
+
+_LIVE_VERIFIERS: weakref.WeakSet[MathVerifier] = weakref.WeakSet()
+
+
+class MathVerifier:
+    """A persistent pool of math-verify worker processes; reuse one instance across training steps.
+
+    `score` scores one group (k responses to one problem); `score_batch` scores many groups at once, all
+    items spread over the workers. Calls are serialised by a lock, so one instance may be shared by threads.
+    """
+
+    def __init__(self, num_workers: int = 2, timeout_s: float = 10.0, memory_mb: int = 4096) -> None:
+        if not isinstance(num_workers, int) or num_workers < 1:
+            raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        self.num_workers = num_workers
+        self.timeout_s = float(timeout_s)
+        # The in-worker alarm fires a little before the hard deadline so that interruptible slow
+        # items end without a respawn; setitimer takes fractions, unlike math-verify's alarm(int).
+        self.soft_timeout_s = max(0.05, min(self.timeout_s * 0.8, self.timeout_s - 0.5))
+        self.memory_mb = memory_mb
+        self._workers: list[_Worker] = []
+        self._lock = threading.Lock()
+        self._startup_failures = 0
+        self._closed = False
+        _LIVE_VERIFIERS.add(self)
+
+    # ---------------------------------------------------------------------------------------------
+    def score(self, responses: Sequence[str], gold: Any, *, unit: str | None = None) -> list[RewardResult]:
+        """Score k responses to one problem against its gold answer (see module docstring for formats)."""
+        return self.score_batch([(responses, normalize_gold(gold, unit=unit))])[0]
+
+    def score_batch(self, items: Sequence[tuple[Sequence[str], Any]]) -> list[list[RewardResult]]:
+        """Score many groups, given as (responses, gold) pairs, in parallel over the workers."""
+        golds = []
+        for i, item in enumerate(items):
+            if not isinstance(item, tuple | list) or len(item) != 2:
+                raise TypeError(f"items[{i}]: expected a (responses, gold) pair, got {type(item).__name__}")
+            _check_responses(item[0], f"items[{i}] responses")
+            try:
+                golds.append(normalize_gold(item[1]))
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"items[{i}]: {exc}") from None
+        answers = [[extract_answer(r) for r in responses] for responses, _ in items]
+        jobs: list[_Job] = []
+        for gold, group in zip(golds, answers, strict=True):
+            jobs.extend(_Job(a, gold.answers, gold.unit) for a in group if a is not None)
+        verdicts = iter(self._run(jobs))
+        out: list[list[RewardResult]] = []
+        for gold, group in zip(golds, answers, strict=True):
+            row = []
+            for answer in group:
+                if answer is None:
+                    row.append(RewardResult.of("no_answer", "no \\boxed{} and no 'answer is' phrase"))
+                    continue
+                status, detail = next(verdicts)
+                shown = f"answer {answer[:_ANSWER_LOG_CHARS]!r}"
+                if status in ("timeout", "error"):
+                    logger.warning("math reward %s: %s; gold %r; %s", status, shown, gold.answers, detail)
+                row.append(RewardResult.of(status, f"{shown}; {detail}" if detail else shown))
+            out.append(row)
+        return out
+
+    def close(self) -> None:
+        """Stop all workers. Safe to call twice; called for every live instance at interpreter exit."""
+        with self._lock:
+            self._closed = True
+            for worker in self._workers:
+                worker.stop()
+            self._workers = []
+
+    def __enter__(self) -> MathVerifier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------------------------------------
+    def _run(self, jobs: list[_Job]) -> list[tuple[str, str]]:
+        results: list[tuple[str, str] | None] = [None] * len(jobs)
+        pending = deque(range(len(jobs)))
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("MathVerifier is closed")
+            while len(self._workers) < self.num_workers:
+                self._workers.append(_Worker(self.memory_mb))
+            while pending or any(w.job is not None for w in self._workers):
+                for worker in self._workers:
+                    if worker.ready and worker.job is None and pending:
+                        self._dispatch(worker, pending.popleft(), jobs, pending)
+                watched = [w for w in self._workers if w.job is not None or not w.ready]
+                wait_s = max(0.0, min(w.deadline for w in watched) - time.monotonic())
+                readable, _, _ = select.select(watched, [], [], wait_s)
+                for worker in readable:
+                    self._collect(worker, results)
+                now = time.monotonic()
+                for worker in list(self._workers):
+                    if worker.deadline <= now:
+                        if worker.job is not None:
+                            results[worker.job] = ("timeout", f"no verdict within the {self.timeout_s:g}s deadline")
+                            self._replace(worker, started=True)
+                        else:
+                            self._replace(worker, started=False)
+        return [r for r in results if r is not None]
+
+    def _dispatch(self, worker: _Worker, index: int, jobs: list[_Job], pending: deque[int]) -> None:
+        job = jobs[index]
+        message = {"id": index, "answer": job.answer, "golds": list(job.golds), "unit": job.unit,
+                   "soft_timeout_s": self.soft_timeout_s}
+        if worker.send(message):
+            worker.job = index
+            worker.deadline = time.monotonic() + self.timeout_s
+        else:  # died while idle: put the job back and start a fresh worker
+            pending.appendleft(index)
+            self._replace(worker, started=True)
+
+    def _collect(self, worker: _Worker, results: list[tuple[str, str] | None]) -> None:
+        lines = worker.read_lines()
+        if lines is None:
+            code = worker.proc.wait()
+            if worker.job is not None:
+                results[worker.job] = ("error", f"verifier worker died (exit code {code})")
+                self._replace(worker, started=True)
+            else:
+                self._replace(worker, started=worker.ready)
+            return
+        for line in lines:
+            if line == b"ready":
+                worker.ready = True
+                worker.deadline = math.inf
+                self._startup_failures = 0
+                continue
+            message = json.loads(line)
+            if message["id"] == worker.job:
+                results[worker.job] = (message["status"], message["detail"])
+                worker.job = None
+                worker.deadline = math.inf
+
+    def _replace(self, worker: _Worker, *, started: bool) -> None:
+        """Kill a worker (hung, dead or failed to start) and put a fresh one in its slot."""
+        worker.kill()
+        if not started:
+            self._startup_failures += 1
+            if self._startup_failures >= _MAX_STARTUP_FAILURES:
+                raise RuntimeError(
+                    f"math-verify workers failed to start {self._startup_failures} times in a row "
+                    f"(last exit code {worker.proc.returncode}); see the workers' stderr above"
+                )
+        self._workers[self._workers.index(worker)] = _Worker(self.memory_mb)
+
+
+def _check_responses(responses: Any, where: str) -> None:
+    if not isinstance(responses, list | tuple):
+        raise TypeError(f"{where}: expected a list of str, got {type(responses).__name__}")
+    for i, response in enumerate(responses):
+        if not isinstance(response, str):
+            raise TypeError(f"{where}[{i}]: expected str, got {type(response).__name__}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Stable entry point
+# --------------------------------------------------------------------------------------------------
+_DEFAULT_VERIFIERS: dict[tuple[int, float], MathVerifier] = {}
+_DEFAULT_LOCK = threading.Lock()
+
+
+def default_verifier(num_workers: int = 2, timeout_s: float = 10.0) -> MathVerifier:
+    """The shared pool for these settings, created on first use and kept for the life of the process."""
+    key = (num_workers, float(timeout_s))
+    with _DEFAULT_LOCK:
+        if key not in _DEFAULT_VERIFIERS:
+            _DEFAULT_VERIFIERS[key] = MathVerifier(num_workers, timeout_s)
+        return _DEFAULT_VERIFIERS[key]
+
+
+def score_math(
+    responses: list[str],
+    gold: Any,
+    *,
+    timeout_s: float = 10.0,
+    num_workers: int = 2,
+    unit: str | None = None,
+) -> list[RewardResult]:
+    """Score k responses to one math problem. `gold` is the benchmark's answer field as stored
+    (str, number, list of alternatives) or a MathGold; see the module docstring for the rules."""
+    return default_verifier(num_workers, timeout_s).score(responses, gold, unit=unit)
+
+
+@atexit.register
+def _close_all_verifiers() -> None:
+    for verifier in list(_LIVE_VERIFIERS):
+        verifier.close()

@@ -1,0 +1,25 @@
+"""Records passed from the rollout engines to the reward and the trainer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Rollout:
+    """One sampled response. `logprobs` are the engine's, of the sampling distribution (after temperature),
+    one per response token; the trainer compares them with its own to log the engine/trainer mismatch."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    truncated: bool  # stopped by max_new_tokens rather than by an end-of-sequence token
+    text: str
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    n: int
+    temperature: float
+    top_p: float
+    max_new_tokens: int

@@ -1,0 +1,47 @@
+"""metrics.jsonl in the run directory, and the same numbers to wandb (offline unless asked otherwise).
+
+Only rank 0 writes. The jsonl file is the source of truth for `gapo-plot`; wandb is for people who
+already live there. wandb runs offline by default so that no run ever waits on the network.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+from gapo.config import Config, dump_config
+
+
+class Tracker:
+    def __init__(self, cfg: Config, run_dir: Path, *, wandb_id: str | None = None):
+        self.run_dir = run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        tmp = run_dir / "config.yaml.tmp"
+        tmp.write_text(dump_config(cfg))
+        os.replace(tmp, run_dir / "config.yaml")
+        self.file = open(run_dir / "metrics.jsonl", "a")  # noqa: SIM115 - closed in finish()
+        self.wandb = None
+        if cfg.tracking.wandb and cfg.tracking.mode != "disabled":
+            import wandb
+
+            self.wandb = wandb.init(project=cfg.tracking.project, name=cfg.tracking.run_name or run_dir.name,
+                                    tags=cfg.tracking.tags, config=cfg.model_dump(mode="json"),
+                                    dir=str(run_dir), mode=cfg.tracking.mode, id=wandb_id, resume="allow")
+
+    @property
+    def wandb_id(self) -> str | None:
+        return self.wandb.id if self.wandb else None
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
+        self.file.write(json.dumps({"step": step, **clean}) + "\n")
+        self.file.flush()
+        if self.wandb:
+            self.wandb.log({k: v for k, v in metrics.items()}, step=step)
+
+    def finish(self) -> None:
+        self.file.close()
+        if self.wandb:
+            self.wandb.finish()

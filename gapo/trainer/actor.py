@@ -1,0 +1,179 @@
+"""The DeepSpeed actor: response log-probs, the clipped update, and full weights for the engine.
+
+One code path for CPU (gloo) and GPU (NCCL); ZeRO stage 0/2/3 from the config.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from gapo.config import Config
+
+# Response tokens per vocab projection. The full [tokens, vocab] fp32 logits of a step never exist at
+# once: each chunk's logits are recomputed in backward (checkpoint) instead of being kept for it.
+LOGIT_CHUNK = 1024
+
+
+@dataclass
+class MicroBatch:
+    """Rollouts packed for one forward: prompt + response, right-padded to this micro-batch's own length."""
+
+    input_ids: Tensor  # [B, L]
+    attention_mask: Tensor  # [B, L]
+    resp_pos: Tensor  # [B, T] position in input_ids of the logits predicting response token t
+    resp_ids: Tensor  # [B, T] response tokens (0 on padding)
+    resp_mask: Tensor  # [B, T] 1 on response tokens
+
+    @classmethod
+    def pack(cls, prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> MicroBatch:
+        B = len(prompts)
+        L = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
+        T = max(1, max(len(r) for r in responses))
+        ids = torch.full((B, L), pad_id, dtype=torch.long)
+        att = torch.zeros(B, L, dtype=torch.long)
+        pos = torch.zeros(B, T, dtype=torch.long)
+        rid = torch.zeros(B, T, dtype=torch.long)
+        rmask = torch.zeros(B, T)
+        for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+            n = len(p) + len(r)
+            ids[i, :n] = torch.tensor(p + r)
+            att[i, :n] = 1
+            pos[i, :len(r)] = torch.arange(len(p) - 1, n - 1)
+            rid[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+            rmask[i, :len(r)] = 1
+        return cls(ids, att, pos, rid, rmask)
+
+
+def _token_logp(head: torch.nn.Module, h: Tensor, targets: Tensor, temperature: float) -> Tensor:
+    logits = head(h).float() / temperature
+    return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, -1)
+
+
+@torch.no_grad()
+def _token_logp_entropy(head: torch.nn.Module, h: Tensor, targets: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+    logp = torch.log_softmax(head(h).float() / temperature, -1)
+    return logp.gather(-1, targets[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+
+class Actor:
+    def __init__(self, cfg: Config, model_dir: str, *, steps_per_rollout: int, micro_per_step: int):
+        import deepspeed
+        from transformers import AutoModelForCausalLM
+        from transformers.integrations import HfDeepSpeedConfig
+
+        t = cfg.trainer
+        self.cfg = cfg
+        self.world = dist.get_world_size()
+        self.temperature = cfg.rollout.temperature
+        bf16 = cfg.model.dtype == "bfloat16"
+        ds_config = {
+            "train_micro_batch_size_per_gpu": t.micro_batch_size,
+            "gradient_accumulation_steps": micro_per_step,
+            "train_batch_size": t.micro_batch_size * micro_per_step * self.world,
+            "gradient_clipping": t.grad_clip,
+            "bf16": {"enabled": bf16},
+            "zero_optimization": {"stage": t.zero_stage, "stage3_param_persistence_threshold": 0},
+            "wall_clock_breakdown": False,
+        }
+        # Keeps zero.Init active while from_pretrained runs: ZeRO-3 partitions weights as they load.
+        self._hf_ds = HfDeepSpeedConfig(ds_config) if t.zero_stage == 3 else None
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if bf16 else torch.float32)
+        if cfg.model.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+        optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay)
+        total = t.total_steps * steps_per_rollout
+        warm = t.warmup_steps * steps_per_rollout
+
+        def lr_factor(step: int) -> float:
+            if step < warm:
+                return (step + 1) / warm
+            if t.lr_schedule == "cosine":
+                return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warm) / max(1, total - warm))))
+            return 1.0
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
+        self.module = self.engine.module
+        self.base = self.module.get_decoder()
+        self.head = self.module.get_output_embeddings()
+
+    def logprobs(self, mb: MicroBatch, *, entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+        """log pi(response token) under the sampling temperature: [B, T] (0 on padding); with `entropy`
+        (no gradient) also the per-token entropy [B, T].
+
+        The decoder runs on the packed sequences; the vocab projection runs only on response positions,
+        in chunks (prompt positions would cost a [L, V] projection each for nothing).
+        """
+        out = self.base(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
+        h = out.last_hidden_state  # [B, L, H]
+        rows, cols = mb.resp_mask.nonzero(as_tuple=True)
+        hr = h[rows, mb.resp_pos[rows, cols]]  # [N, H], N = response tokens
+        targets = mb.resp_ids[rows, cols]
+        logps, ents = [], []
+        for s in range(0, hr.shape[0], LOGIT_CHUNK):
+            hc, tc = hr[s:s + LOGIT_CHUNK], targets[s:s + LOGIT_CHUNK]
+            if entropy:  # the old-logprob pass: no gradient, one projection gives both
+                lp, ent = _token_logp_entropy(self.head, hc, tc, self.temperature)
+                logps.append(lp)
+                ents.append(ent)
+            elif torch.is_grad_enabled():
+                logps.append(checkpoint(_token_logp, self.head, hc, tc, self.temperature, use_reentrant=False))
+            else:
+                logps.append(_token_logp(self.head, hc, tc, self.temperature))
+        def unflatten(parts: list[Tensor]) -> Tensor:
+            flat = torch.cat(parts) if parts else hr.new_zeros(0, dtype=torch.float32)
+            return torch.zeros(mb.resp_mask.shape, dtype=flat.dtype).index_put((rows, cols), flat)
+
+        return unflatten(logps), (unflatten(ents) if entropy else None)
+
+    def backward(self, loss: Tensor) -> None:
+        """Our loss is already this micro-batch's exact share of the whole step (step-global normaliser), so
+        undo DeepSpeed's division by the accumulation steps and its averaging over data-parallel ranks."""
+        self.engine.backward(loss * self.world, scale_wrt_gas=False)
+        self.engine.step()
+
+    def grad_norm(self) -> float:
+        g = self.engine.get_global_grad_norm()
+        return float(g) if g is not None else float("nan")
+
+    def lr(self) -> float:
+        return float(self.scheduler.get_last_lr()[0])
+
+    def gathered_weights(self, bucket_numel: int = 50_000_000) -> Iterator[tuple[str, Tensor]]:
+        """Full weights, a bucket at a time (a collective under ZeRO-3: every rank must iterate).
+
+        A bucket holds whole modules (a decoder layer, the embedding, ...) up to `bucket_numel` elements,
+        counted by `ds_numel` (`numel()` is 0 for a partitioned parameter), so a large model is never gathered
+        whole. Whole layers matter: vLLM fuses q/k/v and gate/up and only loads a fused layer once all its
+        parts have arrived, which must happen while they are still gathered.
+        """
+        import deepspeed
+
+        groups: dict[str, list[tuple[str, torch.nn.Parameter]]] = {}
+        for name, p in self.module.named_parameters():
+            parts = name.split(".")
+            cut = next((i + 2 for i, x in enumerate(parts) if x == "layers" and i + 1 < len(parts)), len(parts) - 1)
+            groups.setdefault(".".join(parts[:cut]), []).append((name, p))
+        buckets: list[list[tuple[str, torch.nn.Parameter]]] = [[]]
+        size = 0
+        for members in groups.values():
+            n = sum(getattr(p, "ds_numel", p.numel()) for _, p in members)
+            if buckets[-1] and size + n > bucket_numel:
+                buckets.append([])
+                size = 0
+            buckets[-1].extend(members)
+            size += n
+        for bucket in buckets:
+            with deepspeed.zero.GatheredParameters([p for _, p in bucket], modifier_rank=None,
+                                                   enabled=self.cfg.trainer.zero_stage == 3):
+                for name, p in bucket:
+                    yield name, p.data

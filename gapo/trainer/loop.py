@@ -1,0 +1,264 @@
+"""The training loop, top to bottom.
+
+    sample prompts -> generate k rollouts each -> score -> group advantages -> old log-probs
+    -> clipped updates (mini-batches x epochs) -> push weights into the engine -> metrics
+
+Every rank runs this same loop on its own shard of the step's prompts (groups never straddle ranks) with
+its own colocated engine; DeepSpeed averages gradients, and per-rollout statistics are gathered so that
+every metric is computed exactly over the whole step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import socket
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from gapo.config import Config
+from gapo.data import Sampler, load_problems, tokenize_problems
+from gapo.models import resolve_model
+from gapo.reward.registry import score_groups
+from gapo.rollout.types import Rollout, SamplingConfig
+from gapo.tracking import Tracker
+from gapo.trainer.actor import Actor, MicroBatch
+from gapo.trainer.losses import (
+    RolloutStats,
+    StepNorm,
+    gapo_clip_high,
+    group_advantages,
+    group_metrics,
+    loss_metrics,
+    policy_loss,
+)
+
+log = logging.getLogger("gapo.train")
+
+
+def init_distributed() -> tuple[int, int]:
+    """torchrun sets RANK/WORLD_SIZE/MASTER_*; a plain `gapo-train` is a world of one on a free port."""
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import deepspeed
+    import deepspeed.comm.torch
+
+    if not torch.cuda.is_available():
+        # DeepSpeed JIT-compiles a shared-memory all-reduce for CPU *inference* on every fresh machine (~66 s);
+        # training never uses it, and without it DeepSpeed falls back to torch.distributed.
+        deepspeed.comm.torch.build_shm_op = lambda: None
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def request_seed(seed: int, step: int, prompt_index: int) -> int:
+    """One sampling seed per (run seed, step, prompt of the step): unique across ranks, repeatable on resume."""
+    return int(np.random.SeedSequence([seed, step, prompt_index]).generate_state(1)[0] & 0x7FFFFFFF)
+
+
+def check_shapes(cfg: Config, world: int) -> tuple[int, int]:
+    """Prompts per rank and micro-batches per optimizer step per rank; clear errors for splits that
+    do not divide (ZeRO-3 needs every rank to run the same number of forwards)."""
+    r, t = cfg.rollout, cfg.trainer
+    if r.prompts_per_step % world:
+        raise ValueError(f"rollout.prompts_per_step={r.prompts_per_step} must be divisible by the {world} ranks")
+    if t.ppo_mini_batch_size % (world * t.micro_batch_size):
+        raise ValueError(f"trainer.ppo_mini_batch_size={t.ppo_mini_batch_size} must be divisible by "
+                         f"ranks x trainer.micro_batch_size = {world} x {t.micro_batch_size}")
+    return r.prompts_per_step // world, t.ppo_mini_batch_size // world // t.micro_batch_size
+
+
+def build_engine(cfg: Config, model_dir: str, rank: int):
+    r = cfg.rollout
+    if r.engine == "hf":
+        from gapo.rollout.hf_engine import HFEngine
+
+        return HFEngine(model_dir, dtype=torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32)
+    from gapo.rollout.vllm_engine import VLLMEngine
+
+    return VLLMEngine(model_dir, dtype=cfg.model.dtype, seed=cfg.trainer.seed + rank,
+                      max_model_len=cfg.data.max_prompt_tokens + r.max_new_tokens,
+                      gpu_memory_utilization=r.gpu_memory_utilization, sleep_mode=r.sleep_between_steps,
+                      kv_cache_gb=r.kv_cache_gb or (None if torch.cuda.is_available() else 1.0),
+                      enforce_eager=r.enforce_eager)
+
+
+def gather(obj):
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def train(cfg: Config) -> Path:
+    rank, world = init_distributed()
+    prompts_per_rank, micro_per_step = check_shapes(cfg, world)
+    t, r, a = cfg.trainer, cfg.rollout, cfg.algorithm
+    random.seed(t.seed + rank)
+    np.random.seed(t.seed + rank)
+    torch.manual_seed(t.seed + rank)
+    run_dir = Path(t.output_dir)
+
+    # --- model, data, engine, actor ---------------------------------------------------------------
+    if rank == 0:
+        model_dir = str(resolve_model(cfg.model.path))  # builds a built-in model once
+    dist.barrier()
+    model_dir = str(resolve_model(cfg.model.path))
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    d = cfg.data
+    problems = load_problems(d.train, prompt_key=d.prompt_key, answer_key=d.answer_key, split=d.split,
+                             arithmetic_size=d.arithmetic_size, arithmetic_seed=d.arithmetic_seed,
+                             arithmetic_levels=d.arithmetic_levels)
+    problems, prompt_ids = tokenize_problems(tokenizer, problems, d.instruction, d.max_prompt_tokens)
+    sampler = Sampler(len(problems), seed=t.seed)
+    engine = build_engine(cfg, model_dir, rank)  # after init_distributed: vLLM joins the world group
+    rollouts_per_rank = prompts_per_rank * r.group_size
+    mini_per_rank = t.ppo_mini_batch_size // world
+    steps_per_rollout = t.ppo_epochs * (rollouts_per_rank // mini_per_rank)
+    actor = Actor(cfg, model_dir, steps_per_rollout=steps_per_rollout, micro_per_step=micro_per_step)
+    tracker = Tracker(cfg, run_dir) if rank == 0 else None
+    sampling = SamplingConfig(n=r.group_size, temperature=r.temperature, top_p=r.top_p,
+                              max_new_tokens=r.max_new_tokens)
+
+    for step in range(1, t.total_steps + 1):
+        timings: dict[str, float] = {}
+        # --- 1. prompts: the same global draw on every rank, each rank takes its contiguous shard ----
+        batch = sampler.next(r.prompts_per_step)
+        mine = list(range(rank * prompts_per_rank, (rank + 1) * prompts_per_rank))
+        tic = time.perf_counter()
+        groups: list[list[Rollout]] = engine.generate([prompt_ids[batch[j]] for j in mine], sampling,
+                                                      seeds=[request_seed(t.seed, step, j) for j in mine])
+        timings["generate"] = time.perf_counter() - tic
+        if r.sleep_between_steps:
+            engine.sleep()
+
+        # --- 2. rewards and advantages ------------------------------------------------------------
+        tic = time.perf_counter()
+        results = score_groups(d.type, [[x.text for x in g] for g in groups], [problems[batch[j]].gold for j in mine],
+                               cfg.reward)
+        timings["reward"] = time.perf_counter() - tic
+        rollouts = [x for g in groups for x in g]
+        flat_results = [res for g in results for res in g]
+        rewards = torch.tensor([res.reward for res in flat_results])
+        ga = group_advantages(rewards, [r.group_size] * len(groups), std_normalize=a.std_normalize,
+                              focal_gamma=a.focal_gamma, correct_threshold=a.correct_threshold)
+        # Rollouts left out of the loss keep their place (every rank must run the same forwards under
+        # ZeRO-3); they just get no tokens in the mask, the normaliser or the metrics.
+        keep = torch.ones(len(rollouts), dtype=torch.bool)
+        if r.filter_uniform_groups:
+            keep &= (ga.c > 0) & (ga.c < ga.k)
+        if r.mask_truncated:
+            keep &= torch.tensor([not x.truncated for x in rollouts])
+        eps_hi = gapo_clip_high(ga.c, ga.k, a.eps_lo, a.eps_hi_max) if a.clip == "adaptive" else \
+            torch.full((len(rollouts),), a.eps_hi, dtype=torch.float64)
+
+        # --- 3. old log-probs (and entropy, engine/trainer mismatch) ------------------------------
+        tic = time.perf_counter()
+        mbs = [MicroBatch.pack([x.prompt_ids for x in rollouts[i:i + t.micro_batch_size]],
+                               [x.response_ids for x in rollouts[i:i + t.micro_batch_size]], pad_id)
+               for i in range(0, len(rollouts), t.micro_batch_size)]
+        for i, mb in enumerate(mbs):
+            mb.resp_mask[~keep[i * t.micro_batch_size:(i + 1) * t.micro_batch_size]] = 0
+        old_logps, entropy_sum, mismatch = [], 0.0, []
+        with torch.no_grad():
+            for i, mb in enumerate(mbs):
+                lp, ent = actor.logprobs(mb, entropy=True)
+                eng = torch.zeros_like(lp)
+                for b, x in enumerate(rollouts[i * t.micro_batch_size:(i + 1) * t.micro_batch_size]):
+                    eng[b, :len(x.logprobs)] = torch.tensor(x.logprobs)
+                m = mb.resp_mask.bool()
+                mismatch.append((lp - eng)[m])
+                entropy_sum += float(ent[m].sum())
+                old_logps.append(eng if r.use_engine_logprobs else lp)
+        timings["old_logprob"] = time.perf_counter() - tic
+
+        # --- 4. updates: epochs x mini-batches, each an optimizer step over micro-batches ----------
+        tic = time.perf_counter()
+        stats: list[RolloutStats] = []
+        mbs_per_mini = mini_per_rank // t.micro_batch_size
+        actor.engine.train()
+        for _epoch in range(t.ppo_epochs):
+            for m0 in range(0, len(mbs), mbs_per_mini):
+                idx = range(m0, m0 + mbs_per_mini)
+                tokens = torch.tensor([sum(float(mbs[i].resp_mask.sum()) for i in idx),
+                                       sum(float(mbs[i].resp_mask.any(-1).sum()) for i in idx)])
+                dist.all_reduce(tokens)  # the normaliser is the whole optimizer step's, over all ranks
+                norm = StepNorm(tokens=max(float(tokens[0]), 1.0), seqs=max(float(tokens[1]), 1.0),
+                                constant=a.loss_constant)
+                for i in idx:
+                    sl = slice(i * t.micro_batch_size, (i + 1) * t.micro_batch_size)
+                    logp, _ = actor.logprobs(mbs[i])
+                    loss, st = policy_loss(logp, old_logps[i], mbs[i].resp_mask, ga.adv[sl], ga.c[sl], ga.k[sl],
+                                           a.eps_lo, eps_hi[sl], norm, is_level=a.is_level, clip_rule=a.clip,
+                                           loss_agg=a.loss_agg)
+                    actor.backward(loss)
+                    stats.append(st)
+        grad_norm, lr = actor.grad_norm(), actor.lr()
+        timings["train"] = time.perf_counter() - tic
+
+        # --- 5. weight push: gather (collective) and stream into this rank's engine ----------------
+        tic = time.perf_counter()
+        engine.push_weights(actor.gathered_weights())
+        timings["weight_push"] = time.perf_counter() - tic
+
+        # --- 6. metrics over all ranks -------------------------------------------------------------
+        local = {"stats": RolloutStats.cat(stats), "rewards": rewards, "c": ga.c, "k": ga.k,
+                 "status": [res.status for res in flat_results],
+                 "len": [len(x.response_ids) for x in rollouts], "trunc": [x.truncated for x in rollouts],
+                 "mismatch": torch.cat(mismatch), "entropy_sum": entropy_sum,
+                 "tokens": float(sum(float(mb.resp_mask.sum()) for mb in mbs)), "timings": timings}
+        parts = gather(local)
+        if rank == 0:
+            metrics = step_metrics(parts, a.is_level, grad_norm, lr)
+            tracker.log(step, metrics)
+            tqdm.write(f"step {step}/{t.total_steps} reward {metrics['reward/mean']:.3f} "
+                       f"clip {metrics['clip_frac']:.3f} len {metrics['response/len_mean']:.1f} "
+                       f"gen {timings['generate']:.1f}s train {timings['train']:.1f}s "
+                       f"push {timings['weight_push']:.2f}s")
+    if tracker:
+        tracker.finish()
+    dist.barrier()
+    return run_dir
+
+
+def step_metrics(parts: list[dict], is_level: str, grad_norm: float, lr: float) -> dict[str, float]:
+    """One step's logged numbers from every rank's per-rollout records."""
+    stats = RolloutStats.cat([p["stats"] for p in parts])
+    rewards = torch.cat([p["rewards"] for p in parts])
+    c, k = torch.cat([p["c"] for p in parts]), torch.cat([p["k"] for p in parts])
+    status = [s for p in parts for s in p["status"]]
+    lengths = np.array([n for p in parts for n in p["len"]])
+    mism = torch.cat([p["mismatch"] for p in parts]).double()
+    tokens = sum(p["tokens"] for p in parts)
+    gen_tokens = float(lengths.sum())
+    tim = {key: max(p["timings"][key] for p in parts) for key in parts[0]["timings"]}  # the slowest rank
+    m = {"reward/mean": float(rewards.mean()), "reward/correct_frac": float((rewards >= 1).double().mean())}
+    for s in ("correct", "wrong", "no_answer", "timeout", "error"):
+        m[f"reward/{s}_frac"] = status.count(s) / len(status)
+    m.update(group_metrics(c, k))
+    m.update(loss_metrics(stats, is_level))
+    m.update({"response/len_mean": float(lengths.mean()), "response/len_max": float(lengths.max()),
+              "response/truncated_frac": float(np.mean([x for p in parts for x in p["trunc"]])),
+              "entropy": sum(p["entropy_sum"] for p in parts) / max(tokens, 1.0),
+              "grad_norm": grad_norm, "lr": lr,
+              "logprob_mismatch/mean_abs": float(mism.abs().mean()) if mism.numel() else 0.0,
+              "logprob_mismatch/max_abs": float(mism.abs().max()) if mism.numel() else 0.0,
+              # exp(mean(trainer - engine)): the IS ratio a sequence would carry from the engine alone
+              "logprob_mismatch/is_ratio": float(torch.exp(mism.mean())) if mism.numel() else 1.0})
+    m.update({f"time/{key}_s": v for key, v in tim.items()})
+    m["time/step_s"] = sum(tim.values())
+    m["throughput/gen_tokens_per_s"] = gen_tokens / max(tim["generate"], 1e-9)
+    m["throughput/train_tokens_per_s"] = tokens / max(tim["train"], 1e-9)
+    return m
