@@ -46,7 +46,11 @@ def train_main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from gapo.trainer.loop import train
 
-    train(cfg)
+    try:
+        train(cfg)
+    except ConfigError as err:  # bad model path, data file or field: a message, not a traceback
+        print(f"gapo-train: {err}", file=sys.stderr)
+        return 2
     return 0
 
 

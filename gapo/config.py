@@ -172,6 +172,8 @@ class TrainerConfig(_Section):
     ppo_epochs: int = Field(1, ge=1)
     zero_stage: Literal[0, 1, 2, 3] = 3
     seed: int = 0
+    # Write every rollout (text, reward, c, advantage, IS ratio and clip decision per update) to rollouts.jsonl.
+    log_rollouts: bool = False
 
 
 class TrackingConfig(_Section):

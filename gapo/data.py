@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from gapo.config import ConfigError
+
 log = logging.getLogger("gapo.data")
 
 
@@ -36,7 +38,7 @@ def load_problems(source: str, *, prompt_key: str = "problem", answer_key: str =
     path = Path(source).expanduser()
     if path.suffix in (".json", ".jsonl", ".parquet"):
         if not path.is_file():
-            raise FileNotFoundError(f"data file {source!r} not found")
+            raise ConfigError(f"data file {source!r} not found")
         records = _read_file(path)
         where = str(path)
     else:
@@ -45,22 +47,22 @@ def load_problems(source: str, *, prompt_key: str = "problem", answer_key: str =
         try:
             records = list(datasets.load_dataset(source, split=split))
         except Exception as err:  # the library raises many kinds; the user needs the name and the cause
-            raise FileNotFoundError(f"dataset {source!r}: not a .json/.jsonl/.parquet file and not loadable by "
+            raise ConfigError(f"dataset {source!r}: not a .json/.jsonl/.parquet file and not loadable by "
                                     f"datasets.load_dataset ({type(err).__name__}: {err})") from err
         where = f"dataset {source!r}"
     problems = []
     for i, rec in enumerate(records):
         if not isinstance(rec, dict):
-            raise ValueError(f"{where}: item {i} is a {type(rec).__name__}, expected a record (mapping)")
+            raise ConfigError(f"{where}: item {i} is a {type(rec).__name__}, expected a record (mapping)")
         for key in (prompt_key, answer_key):
             if key not in rec:
-                raise KeyError(f"{where}: item {i} has no field {key!r} (fields: {', '.join(sorted(rec))}); "
+                raise ConfigError(f"{where}: item {i} has no field {key!r} (fields: {', '.join(sorted(rec))}); "
                                "set data.prompt_key / data.answer_key")
         meta = {k: v for k, v in rec.items() if k not in (prompt_key, answer_key)}
         problems.append(Problem(uid=str(rec.get("unique_id", rec.get("id", i))), question=str(rec[prompt_key]),
                                 gold=rec[answer_key], meta=meta))
     if not problems:
-        raise ValueError(f"{where}: no problems")
+        raise ConfigError(f"{where}: no problems")
     return problems
 
 
@@ -77,14 +79,14 @@ def _read_file(path: Path) -> list:
                 try:
                     out.append(json.loads(line))
                 except json.JSONDecodeError as err:
-                    raise ValueError(f"{path}:{n}: not valid JSON ({err.msg})") from None
+                    raise ConfigError(f"{path}:{n}: not valid JSON ({err.msg})") from None
         return out
     try:
         data = json.loads(text)
     except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
+        raise ConfigError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
     if not isinstance(data, list):
-        raise ValueError(f"{path}: expected a JSON list of records, got {type(data).__name__}")
+        raise ConfigError(f"{path}: expected a JSON list of records, got {type(data).__name__}")
     return data
 
 

