@@ -17,7 +17,7 @@ class HFEngine:
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-        self.params = dict(self.model.named_parameters())
+        self.params = dict(self.model.named_parameters(remove_duplicate=False))  # tied names too
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int]) -> list[list[Rollout]]:

@@ -82,9 +82,11 @@ class Actor:
             "zero_optimization": {"stage": t.zero_stage, "stage3_param_persistence_threshold": 0},
             "wall_clock_breakdown": False,
         }
-        # Keeps zero.Init active while from_pretrained runs: ZeRO-3 partitions weights as they load.
-        self._hf_ds = HfDeepSpeedConfig(ds_config) if t.zero_stage == 3 else None
+        # While this object lives, from_pretrained runs under zero.Init: ZeRO-3 partitions weights as they
+        # load. It is dropped right after, or every later from_pretrained in the process would be partitioned.
+        hf_ds = HfDeepSpeedConfig(ds_config) if t.zero_stage == 3 else None
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if bf16 else torch.float32)
+        del hf_ds
         if cfg.model.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
@@ -159,10 +161,12 @@ class Actor:
         import deepspeed
 
         groups: dict[str, list[tuple[str, torch.nn.Parameter]]] = {}
-        for name, p in self.module.named_parameters():
+        owner: dict[int, str] = {}  # a tied parameter (lm_head = embed_tokens) goes with its first name
+        for name, p in self.module.named_parameters(remove_duplicate=False):
             parts = name.split(".")
             cut = next((i + 2 for i, x in enumerate(parts) if x == "layers" and i + 1 < len(parts)), len(parts) - 1)
-            groups.setdefault(".".join(parts[:cut]), []).append((name, p))
+            key = owner.setdefault(id(p), ".".join(parts[:cut]))
+            groups.setdefault(key, []).append((name, p))
         buckets: list[list[tuple[str, torch.nn.Parameter]]] = [[]]
         size = 0
         for members in groups.values():
@@ -173,7 +177,8 @@ class Actor:
             buckets[-1].extend(members)
             size += n
         for bucket in buckets:
-            with deepspeed.zero.GatheredParameters([p for _, p in bucket], modifier_rank=None,
+            unique = list({id(p): p for _, p in bucket}.values())
+            with deepspeed.zero.GatheredParameters(unique, modifier_rank=None,
                                                    enabled=self.cfg.trainer.zero_stage == 3):
                 for name, p in bucket:
                     yield name, p.data
