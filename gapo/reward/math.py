@@ -21,8 +21,9 @@ Answer extraction (done in the parent, plain string scanning):
   3. Nothing found -> status `no_answer`.
 
 Gold answers (the benchmark's answer field as stored):
-  * str: `$` signs are dropped (OlympiadBench writes "$69$,$84$"); comma-separated values parse as a
-    set, so a multiple-answer problem needs all of them, in any order.
+  * str: `$` signs are dropped (OlympiadBench writes "$69$,$84$"), and so are escaped currency signs
+    (MATH500's "\\$32,\\!348"); comma-separated values parse as a set, so a multiple-answer problem needs
+    all of them, in any order.
   * int/float: 142.0 (AMC stores floats) becomes "142"; non-integral floats use repr.
   * list: ALTERNATIVE spellings of one answer, matching any one is correct. That is what the lists in
     the shared data mean: Minerva stores e.g. ['4.4e7', '4.4 \\times 10^7'], OlympiadBench always a
@@ -34,9 +35,11 @@ Gold answers (the benchmark's answer field as stored):
     (OlympiadBench's `unit` field, or the `unit=` argument) a trailing occurrence of it, bare or wrapped,
     is also stripped from the answer, which handles bare words ("45 minutes") and percent signs.
 
-Statuses: correct / wrong / no_answer / timeout / error. A gold answer that math-verify cannot parse is
-an `error` (the data is at fault, not the model) and is logged on the "gapo.reward" logger, as are
-timeouts, worker deaths and resource errors (MemoryError, RecursionError) raised inside math-verify.
+Statuses: correct / wrong / no_answer / timeout / error. A gold answer that math-verify cannot parse at
+all is an `error` (the data is at fault, not the model) and is logged on the "gapo.reward" logger, as are
+timeouts, worker deaths and resource errors (MemoryError, RecursionError) raised inside math-verify. A gold
+answer it can only keep as text (e.g. Minerva's "E_1, E_2": E reads as Euler's number) is matched as an
+exact string, and such results carry the flag "gold_text_only" so the weakness stays visible.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gapo.reward.types import RewardResult
+from gapo.reward.types import FLAG_GOLD_TEXT_ONLY, RewardResult
 
 logger = logging.getLogger("gapo.reward")
 
@@ -199,11 +202,16 @@ def _gold_text(value: Any, where: str) -> str:
             raise ValueError(f"{where}: non-finite number {value!r}")
         return str(int(value)) if value.is_integer() else repr(value)
     if isinstance(value, str):
-        text = value.replace("$", "").strip()
+        text = _strip_dollars(value).strip()
         if not text:
             raise ValueError(f"{where}: empty answer string {value!r}")
         return text
     raise TypeError(f"{where}: expected str, int, float or list, got {type(value).__name__}")
+
+
+def _strip_dollars(text: str) -> str:
+    """Math delimiters and currency signs carry no value: "$69$,$84$" -> "69,84", "\\$18.90" -> "18.90"."""
+    return text.replace("\\$", "").replace("$", "")
 
 
 _SCI_RE = re.compile(r"(?<![\w.\\])(\d+(?:\.\d*)?|\.\d+)[eE]([+-]?\d+)(?![\w.])")
@@ -211,7 +219,8 @@ _SCI_RE = re.compile(r"(?<![\w.\\])(\d+(?:\.\d*)?|\.\d+)[eE]([+-]?\d+)(?![\w.])"
 
 def _as_boxed_latex(answer: str, unit: str | None) -> str:
     """The text handed to math-verify's parser, for gold and prediction alike (so both parse the same way)."""
-    text = answer.replace("$", "").strip()
+    text = _strip_dollars(answer).strip()
+    text = re.sub(r"(\d)\.$", r"\1", text)  # "\boxed{3.}": a sentence's full stop inside the box
     text = _SCI_RE.sub(r"\1\\times10^{\2}", text)
     if unit:
         text = _strip_unit(text, unit)
@@ -243,6 +252,9 @@ def _strip_unit(text: str, unit: str) -> str:
 # --------------------------------------------------------------------------------------------------
 # Worker process (runs `_worker_main` in its main thread)
 # --------------------------------------------------------------------------------------------------
+_GOLD_TEXT_ONLY = "gold parsed only as text (exact match only)"
+
+
 class _SoftTimeout(BaseException):
     """Raised by the worker's alarm. A BaseException so math-verify's `except Exception` cannot swallow
     it and turn a timeout into a plain False."""
@@ -310,17 +322,16 @@ def _worker_main(parent_pid: int, memory_mb: int) -> None:
         pred = parse(_as_boxed_latex(job["answer"], unit), parsing_timeout=None)
         if not pred:
             return "wrong", "answer does not parse as math"
-        unparsed_golds = []
-        for gold in job["golds"]:
-            parsed = parse_gold(gold, unit)
-            if not parsed:
-                unparsed_golds.append(gold)
-                continue
-            if verify(parsed, pred, timeout_seconds=None):
-                return "correct", ""
-        if unparsed_golds and len(unparsed_golds) == len(job["golds"]):
-            return "error", f"gold answer does not parse: {unparsed_golds[0]!r}"
-        return "wrong", ""
+        parsed_golds = [parse_gold(gold, unit) for gold in job["golds"]]
+        if not any(parsed_golds):
+            return "error", f"gold answer does not parse: {job['golds'][0]!r}"
+        note = ""
+        if all(isinstance(x, str) for g in parsed_golds for x in g):
+            note = _GOLD_TEXT_ONLY  # math-verify could only keep the gold as text: exact string match only
+        for parsed in parsed_golds:
+            if parsed and verify(parsed, pred, timeout_seconds=None):
+                return "correct", note
+        return "wrong", note
 
     def on_alarm(signum: int, frame: Any) -> None:
         raise _SoftTimeout
@@ -481,7 +492,8 @@ class MathVerifier:
                 shown = f"answer {answer[:_ANSWER_LOG_CHARS]!r}"
                 if status in ("timeout", "error"):
                     logger.warning("math reward %s: %s; gold %r; %s", status, shown, gold.answers, detail)
-                row.append(RewardResult.of(status, f"{shown}; {detail}" if detail else shown))
+                flags = (FLAG_GOLD_TEXT_ONLY,) if detail == _GOLD_TEXT_ONLY else ()
+                row.append(RewardResult.of(status, f"{shown}; {detail}" if detail else shown, flags))
             out.append(row)
         return out
 

@@ -13,6 +13,8 @@ STATUSES = ("correct", "wrong", "no_answer", "timeout", "error")
 
 # Flag set when the code sandbox ran without namespace isolation (see gapo.reward.sandbox).
 FLAG_UNISOLATED = "unisolated"
+# Flag set when math-verify could not parse the gold answer into math and fell back to exact text matching.
+FLAG_GOLD_TEXT_ONLY = "gold_text_only"
 
 
 @dataclass(frozen=True)
