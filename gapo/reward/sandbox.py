@@ -45,6 +45,7 @@ import resource
 import selectors
 import signal
 import sys
+import threading
 import time
 import traceback
 
@@ -70,6 +71,10 @@ import math, re, string, heapq, bisect, collections, itertools, functools, opera
 """
 
 
+_FALLBACK_MODULES = ("array", "copy", "dataclasses", "datetime", "decimal", "enum", "fractions", "io", "json",
+                     "queue", "statistics", "struct", "unicodedata")
+
+
 # ==================================================================================================
 # Harness: runs as PID 1 inside the namespaces (or as a plain subreaper process in the fallback).
 # ==================================================================================================
@@ -84,6 +89,10 @@ def _harness_main() -> None:
     else:
         workdir = os.getcwd()
         _set_child_subreaper()
+        # No mount namespace to expose the interpreter in: if it lives where `nobody` cannot read (pyenv
+        # under /root), programs can only use modules imported here, so import the usual ones.
+        for name in _FALLBACK_MODULES:
+            __import__(name)
     exec(PRELUDE, {})  # import once here so each forked child starts with the modules loaded
     for index, case in enumerate(job["cases"]):
         outcome = _run_case(job, case, workdir)
@@ -423,8 +432,6 @@ def _exit_code(exc: SystemExit) -> int:
 def _join_other_threads() -> None:
     """Python waits for non-daemon threads before exiting (the common `threading.Thread(target=main)`
     trick for deep recursion relies on it), so do the same; the wall deadline bounds the wait."""
-    import threading
-
     for thread in threading.enumerate():
         if thread is not threading.main_thread() and not thread.daemon:
             thread.join()
@@ -506,7 +513,6 @@ import logging  # noqa: E402
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
-import threading  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
 from dataclasses import asdict, dataclass, field  # noqa: E402
 
