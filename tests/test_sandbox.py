@@ -31,6 +31,7 @@ from gapo.reward.sandbox import (
 
 LIMITS = Limits(wall_s=2.0, memory_mb=256)
 REPO = Path(__file__).resolve().parents[1]
+DATA = REPO.parent / "shared" / "data"
 LEET_TESTS = {"functional": "def check(candidate):\n    assert candidate([1, 2, 3]) == 6\n"
                             "    assert candidate([]) == 0\n\ncheck(Solution().total)"}
 GOOD_SOLUTION = "class Solution:\n    def total(self, nums: List[int]) -> int:\n        return sum(nums)\n"
@@ -203,7 +204,8 @@ def test_no_secrets_in_the_environment_or_home(monkeypatch, tmp_path: Path) -> N
     program = f"""\
 import json, os
 report = {{"env": dict(os.environ), "home": os.path.expanduser("~")}}
-for path in ("/root/.ssh", os.path.expanduser("~/.ssh"), {str(secret)!r}, "/proc/1/environ"):
+for path in ("/root/.ssh", os.path.expanduser("~/.ssh"), {str(secret)!r}, "/proc/1/environ", {str(DATA)!r},
+             {str(REPO / "tests")!r}):
     try:
         report[path] = os.listdir(path) if os.path.isdir(path) else open(path).read()
     except OSError as exc:
@@ -217,6 +219,7 @@ print(json.dumps(report))
     assert report["home"] == report["env"]["HOME"] == "/tmp/work"  # the private working dir
     assert report["/root/.ssh"] == 2 and report[str(secret)] == 2  # ENOENT: /root and /tmp are masked
     assert report["/proc/1/environ"] == 13  # EACCES: the harness's memory is not ours to read
+    assert report[str(DATA)] == 2 and report[str(REPO / "tests")] == 2  # expected outputs are out of sight
 
 
 # --------------------------------------------------------------------------------------------------

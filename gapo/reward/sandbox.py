@@ -7,13 +7,16 @@ Mechanism (why each layer exists):
     everything left in the namespace, which also catches children that escaped with setsid or a double
     fork (a process-group kill alone does not).
   * The harness (this file run as a script, trusted code, root inside the namespaces) mounts fresh
-    tmpfs over /tmp, /var/tmp, /dev/shm and /run/lock, so the only world-writable places a program can
-    reach vanish with the namespace; it then forks one child per test case. The child drops to the user
-    `nobody` (uid 65534: RLIMIT_NPROC does not bind root), gets setrlimit limits (CPU seconds, address
-    space, file size, open files, processes, no core files), an empty environment with HOME set to its
-    private working dir, stdin from the test input, and its own output pipes. The harness enforces the
-    per-case wall-clock deadline and the output cap (it reads at most N bytes, then kills), and after
-    every case kills every other process in the namespace (kill(-1) from PID 1).
+    tmpfs over /tmp and /dev/shm, so what a program writes vanishes with the namespace, and covers every
+    top-level directory except the system ones (/usr, /etc, /dev, ...) with an empty tmpfs, binding only
+    the Python installation back in, read-only: the repository, the datasets (which hold the expected
+    outputs), /root, /home, /run and /var are not there to read. It then forks one child per test case.
+    The child drops to the user `nobody` (uid 65534: RLIMIT_NPROC does not bind root), gets setrlimit
+    limits (CPU seconds, address space, file size, open files, processes, no core files), an empty
+    environment with HOME set to its private working dir, stdin from the test input, and its own output
+    pipes. The harness enforces the per-case wall-clock deadline and the output cap (it reads at most N
+    bytes, then kills), and after every case kills every other process in the namespace (kill(-1) from
+    PID 1).
   * Verdicts come from outside the program. For stdin/stdout and call-based cases the harness forwards
     the program's output or JSON return value and the PARENT compares it with the expected answer, which
     never enters the sandbox. For check(candidate) test programs, whose asserts must run in the
@@ -26,9 +29,10 @@ Mechanism (why each layer exists):
     signals from inside its namespace.
   * Without unshare (not root, or util-linux missing) runs fall back to: own session, privilege drop
     where root, the same rlimits, a subreaper harness that kills all descendants, a host temp dir as the
-    working dir. There is NO network isolation and /tmp is shared then. This fallback logs a warning on
-    the "gapo.reward" logger and marks every result (`SandboxRun.isolated` False, RewardResult flag
-    "unisolated"), so it can never go unnoticed.
+    working dir. There is NO network isolation then, /tmp is shared and everything `nobody` may read is
+    visible; if Python lives where `nobody` cannot read, programs can import only the modules the harness
+    preloaded. This fallback logs a warning on the "gapo.reward" logger and marks every result
+    (`SandboxRun.isolated` False, RewardResult flag "unisolated"), so it can never go unnoticed.
 
 Known limits: uid `nobody` is shared by concurrent runs, so a fork bomb in one run can exhaust the
 process limit of another concurrent run for the bomb's lifetime (wall deadline). Memory is bounded per
@@ -85,7 +89,7 @@ def _harness_main() -> None:
     os.dup2(devnull, 0)
     os.close(devnull)
     if job["isolated"]:
-        workdir = _private_tmp_mounts(job["limits"]["tmpfs_mb"], job["drop_uid"])
+        workdir = _private_filesystem(job["limits"]["tmpfs_mb"], job["drop_uid"])
     else:
         workdir = os.getcwd()
         _set_child_subreaper()
@@ -121,7 +125,7 @@ def _libc():
     return ctypes.CDLL(None, use_errno=True)
 
 
-_MS_NOSUID, _MS_NODEV, _MS_BIND, _MS_REC = 2, 4, 4096, 16384
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_REMOUNT, _MS_BIND, _MS_REC = 1, 2, 4, 32, 4096, 16384
 _MNT_DETACH = 2
 
 
@@ -134,13 +138,19 @@ def _mount(source: str, target: str, fstype: str | None, flags: int, options: st
         raise OSError(errno, f"mount {source} on {target} failed: {os.strerror(errno)}")
 
 
-def _private_tmp_mounts(tmpfs_mb: int, uid: int | None) -> str:
-    """Fresh tmpfs over every world-writable directory, so nothing a program writes outlives the run."""
-    for target in ("/tmp", "/var/tmp", "/dev/shm", "/run/lock"):
-        if os.path.isdir(target):
-            _mount("tmpfs", target, "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={int(tmpfs_mb)}m,mode=1777")
-    if uid is not None:
-        _expose_python_to(uid)
+# Top-level directories a program may see; every other one (the repository, datasets that hold the
+# expected outputs, /root, /home, /mnt, /opt, /run, /var, ...) is covered by an empty tmpfs.
+_SYSTEM_DIRS = frozenset({"bin", "dev", "etc", "lib", "lib32", "lib64", "libx32", "proc", "sbin", "sys", "tmp", "usr"})
+
+
+def _private_filesystem(tmpfs_mb: int, uid: int | None) -> str:
+    """In our private mount namespace: fresh tmpfs on the world-writable /tmp and /dev/shm (nothing a
+    program writes outlives the run), and nothing readable beyond the system directories and Python."""
+    for target in ("/tmp", "/dev/shm"):
+        _mount("tmpfs", target, "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={int(tmpfs_mb)}m,mode=1777")
+    covers = [f"/{name}" for name in os.listdir("/")
+              if name not in _SYSTEM_DIRS and os.path.isdir(f"/{name}") and not os.path.islink(f"/{name}")]
+    _cover_except_python(covers)
     workdir = "/tmp/work"
     os.mkdir(workdir, 0o700)
     if uid is not None:
@@ -148,29 +158,30 @@ def _private_tmp_mounts(tmpfs_mb: int, uid: int | None) -> str:
     return workdir
 
 
-def _expose_python_to(uid: int) -> None:
-    """The interpreter may live where `nobody` cannot go (pyenv under /root, mode 700): the program could
-    then import nothing that the harness did not import first. In our private mount namespace, cover each
-    such blocking directory with an empty tmpfs and bind only the Python directories back into it. This
-    also hides the rest of that directory (/root/.ssh, ...) from the program."""
+def _cover_except_python(covers: list[str]) -> None:
+    """Cover each directory in `covers` with an empty tmpfs, then bind the Python installation (base
+    prefix, venv, sys.path entries) back in, read-only, at its own path. The same is done for a directory
+    that `nobody` may not traverse on the way to Python (pyenv under /root, mode 700), without which the
+    program could import nothing the harness had not imported already."""
     wanted = {os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, *sys.path) if p and os.path.isdir(p)}
-    tops = [p for p in wanted if not any(p != q and p.startswith(q.rstrip("/") + "/") for q in wanted)]
-    groups: dict[str, list[str]] = {}
-    for path in sorted(tops):
-        blocked = _first_closed_ancestor(path)
-        if blocked is not None:
-            groups.setdefault(blocked, []).append(path)
-    for i, (blocked, paths) in enumerate(groups.items()):
+    tops = sorted(p for p in wanted if not any(p != q and p.startswith(q.rstrip("/") + "/") for q in wanted))
+    groups: dict[str, list[str]] = {cover: [] for cover in covers}
+    for path in tops:
+        cover = next((c for c in covers if path.startswith(c + "/")), None) or _first_closed_ancestor(path)
+        if cover is not None:
+            groups.setdefault(cover, []).append(path)
+    for i, (cover, paths) in enumerate(groups.items()):
         staged = []
         for j, path in enumerate(paths):
             stage = f"/tmp/.stage-{i}-{j}"
             os.mkdir(stage, 0o700)
             _mount(path, stage, None, _MS_BIND | _MS_REC)
             staged.append((stage, path))
-        _mount("tmpfs", blocked, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=1m,mode=0755")
+        _mount("tmpfs", cover, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=1m,mode=0755")
         for stage, path in staged:
             os.makedirs(path, mode=0o755, exist_ok=True)
             _mount(stage, path, None, _MS_BIND | _MS_REC)
+            _mount("none", path, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY)
             if _libc().umount2(stage.encode(), _MNT_DETACH) != 0:
                 raise OSError(f"unmounting the staging bind {stage} failed")
             os.rmdir(stage)

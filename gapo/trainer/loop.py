@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from gapo.config import Config
+from gapo.config import Config, ConfigError
 from gapo.data import Sampler, load_problems, tokenize_problems
 from gapo.models import resolve_model
 from gapo.reward.registry import score_groups
@@ -73,9 +73,9 @@ def check_shapes(cfg: Config, world: int) -> tuple[int, int]:
     do not divide (ZeRO-3 needs every rank to run the same number of forwards)."""
     r, t = cfg.rollout, cfg.trainer
     if r.prompts_per_step % world:
-        raise ValueError(f"rollout.prompts_per_step={r.prompts_per_step} must be divisible by the {world} ranks")
+        raise ConfigError(f"rollout.prompts_per_step={r.prompts_per_step} must be divisible by the {world} ranks")
     if t.ppo_mini_batch_size % (world * t.micro_batch_size):
-        raise ValueError(f"trainer.ppo_mini_batch_size={t.ppo_mini_batch_size} must be divisible by "
+        raise ConfigError(f"trainer.ppo_mini_batch_size={t.ppo_mini_batch_size} must be divisible by "
                          f"ranks x trainer.micro_batch_size = {world} x {t.micro_batch_size}")
     return r.prompts_per_step // world, t.ppo_mini_batch_size // world // t.micro_batch_size
 
@@ -189,6 +189,7 @@ def train(cfg: Config) -> Path:
         # --- 4. updates: epochs x mini-batches, each an optimizer step over micro-batches ----------
         tic = time.perf_counter()
         stats: list[RolloutStats] = []
+        grad_norms: list[float] = []
         mbs_per_mini = mini_per_rank // t.micro_batch_size
         actor.engine.train()
         for _epoch in range(t.ppo_epochs):
@@ -207,7 +208,8 @@ def train(cfg: Config) -> Path:
                                            loss_agg=a.loss_agg)
                     actor.backward(loss)
                     stats.append(st)
-        grad_norm, lr = actor.grad_norm(), actor.lr()
+                grad_norms.append(actor.grad_norm())
+        grad_norm, lr = float(np.mean(grad_norms)), actor.lr()
         timings["train"] = time.perf_counter() - tic
 
         # --- 5. weight push: gather (collective) and stream into this rank's engine ----------------

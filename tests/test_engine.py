@@ -1,0 +1,182 @@
+"""End to end with the real components: vLLM (CPU), DeepSpeed ZeRO-3 on gloo (1 and 2 ranks), math-verify,
+wandb offline. The tiny model is built offline (gapo.models, `tiny-qwen2`)."""
+
+import glob
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gapo.trainer.losses import gapo_clip_high
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+ENV = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "WANDB_SILENT": "true"}
+TIMING = ("time/", "throughput/")
+
+
+def gapo_train(out: Path, *args: str, nproc: int = 1, timeout: int = 600) -> subprocess.CompletedProcess:
+    cmd = [str(BIN / "gapo-train"), "--config", "configs/tiny_cpu.yaml", "--nproc", str(nproc),
+           f"trainer.output_dir={out}", "trainer.total_steps=2", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def rollouts(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
+
+
+def wandb_history(run: Path) -> list[dict]:
+    """History rows from the offline .wandb file (LevelDB-style log of protobuf records)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    (path,) = glob.glob(str(run / "wandb" / "offline-run-*" / "run-*.wandb"))
+    raw, pos, buf, rows = Path(path).read_bytes(), 7, b"", []
+    while pos + 7 <= len(raw):
+        left = 32768 - pos % 32768
+        if left < 7:
+            pos += left
+            continue
+        _, n, kind = struct.unpack("<IHB", raw[pos:pos + 7])
+        pos += 7
+        if n == 0 and kind == 0:
+            pos += left - 7
+            continue
+        buf, pos = buf + raw[pos:pos + n], pos + n
+        if kind in (1, 4):  # FULL or LAST
+            rec = pb.Record()
+            rec.ParseFromString(buf)
+            buf = b""
+            if rec.WhichOneof("record_type") == "history":
+                rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item})
+    return rows
+
+
+# GAPO with a wide adaptive range (eps_hi from 5e-2 at c = 1 down to 3e-3), so that the second mini-batch's
+# IS ratios land between its bounds and GSPO's fixed 3e-3.
+WIDE = ["algorithm.eps_lo=3e-3", "algorithm.eps_hi_max=5e-2", "trainer.log_rollouts=true"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("runs")
+    out = {}
+    for name, args, nproc in [("gapo", WIDE, 1), ("gapo_again", WIDE, 1), ("gapo_2ranks", WIDE, 2),
+                              ("gspo", ["algorithm.name=gspo", "trainer.log_rollouts=true"], 1)]:
+        r = gapo_train(base / name, *args, nproc=nproc)
+        (base / f"{name}.log").write_text(r.stderr)
+        errors = "\n".join(line for line in r.stderr.splitlines() if "Error" in line or 'File "' in line)
+        assert r.returncode == 0, f"{name} failed (log: {base / name}.log):\n{errors[-6000:]}"
+        out[name] = base / name
+    return out
+
+
+EXPECTED_KEYS = {"reward/mean", "reward/correct_frac", "reward/timeout_frac", "reward/error_frac",
+                 "group/all_correct_frac", "group/all_wrong_frac", "clip_frac", "clip_frac/high", "clip_frac/low",
+                 "is_adv_corr", "approx_kl", "response/len_mean", "response/len_max", "response/truncated_frac",
+                 "entropy", "grad_norm", "lr", "logprob_mismatch/mean_abs", "logprob_mismatch/max_abs",
+                 "logprob_mismatch/is_ratio", "time/generate_s", "time/reward_s", "time/old_logprob_s",
+                 "time/train_s", "time/weight_push_s", "throughput/gen_tokens_per_s"}
+
+
+@pytest.mark.parametrize("name", ["gapo", "gapo_2ranks"])
+def test_run_writes_metrics_config_and_wandb(runs, name):
+    run = runs[name]
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        assert EXPECTED_KEYS <= set(row), EXPECTED_KEYS - set(row)
+        assert any(k.startswith("clip_frac/c") for k in row)  # the tiny model's groups have 0 < c < k
+        assert 0 < row["entropy"] < 6 and row["grad_norm"] > 0  # mean over the step's optimizer steps
+    # After a real update and weight push, the engine samples from the trainer's policy (fp32).
+    assert rows[1]["logprob_mismatch/max_abs"] < 1e-3
+    assert rows[1]["approx_kl"] > 0
+    cfg = (run / "config.yaml").read_text()
+    assert "eps_hi_max: 0.05" in cfg and "name: gapo" in cfg
+    history = wandb_history(run)
+    assert len(history) == 2 and EXPECTED_KEYS <= set(history[0])
+    assert history[1]["reward/mean"] == pytest.approx(rows[1]["reward/mean"])
+
+
+def test_same_config_same_metrics(runs):
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]  # noqa: E731
+    assert strip(metrics(runs["gapo"])) == strip(metrics(runs["gapo_again"]))
+
+
+def test_two_ranks_sample_the_same_first_step(runs):
+    """Sampling seeds are per prompt of the step, not per rank: step 1 (same weights) has identical rollouts."""
+    one, two = rollouts(runs["gapo"]), rollouts(runs["gapo_2ranks"])
+    step1 = lambda rs: [(r["problem"], r["text"], r["reward"]) for r in rs if r["step"] == 1]  # noqa: E731
+    assert step1(one) == step1(two)
+    assert {r["rank"] for r in two} == {0, 1}
+
+
+def test_gapo_and_gspo_differ_exactly_where_their_bounds_differ(runs):
+    gapo = [r for r in rollouts(runs["gapo"]) if r["step"] == 1]
+    gspo = [r for r in rollouts(runs["gspo"]) if r["step"] == 1]
+    assert [(r["text"], r["adv"], r["c"]) for r in gapo] == [(r["text"], r["adv"], r["c"]) for r in gspo]
+    differ = 0
+    for a, b in zip(gapo, gspo, strict=True):
+        bound = float(gapo_clip_high(torch.tensor([a["c"]]), a["k"], 3e-3, 5e-2))
+        assert a["eps_hi"] == pytest.approx(bound) and b["eps_hi"] == pytest.approx(3e-3)
+        (ua,), (ub,) = a["updates"], b["updates"]
+        # Same weights until the first clip decision can differ: identical ratios in both runs.
+        assert ua["is_ratio"] == pytest.approx(ub["is_ratio"], rel=1e-6)
+        r = ua["is_ratio"]
+        in_band = a["adv"] > 0 and 1 + 3e-3 < r <= 1 + bound
+        assert (ua["clip_hi_tokens"] > 0) == (a["adv"] > 0 and r > 1 + bound)
+        assert (ub["clip_hi_tokens"] > 0) == (a["adv"] > 0 and r > 1 + 3e-3)
+        assert ((ua["clip_hi_tokens"] > 0) != (ub["clip_hi_tokens"] > 0)) == in_band
+        assert ua["clip_lo_tokens"] == ub["clip_lo_tokens"]  # the lower bound is the same
+        differ += in_band
+    assert differ > 0, "no rollout landed between the two bounds: the comparison proves nothing"
+    assert metrics(runs["gapo"])[0]["clip_frac/high"] < metrics(runs["gspo"])[0]["clip_frac/high"]
+
+
+def test_weight_push_matches_trainer_on_each_rank(tmp_path):
+    """2 ranks, ZeRO-3: after an update and a bucketed push, vLLM's log-probs of fixed sequences (longer than
+    one KV block, cached before the push) equal the trainer's, and the HF engine agrees too."""
+    out = tmp_path / "push"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                        "tests/dist_push_check.py", str(out)], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    for rank in (0, 1):
+        res = json.loads(Path(f"{out}.{rank}").read_text())
+        assert res["before"] > 1e-2  # the update changed the policy, so the push had work to do
+        assert res["after"] < 1e-4 and res["hf"] < 1e-4, res
+
+
+def test_hf_engine_trains_end_to_end(tmp_path):
+    r = gapo_train(tmp_path / "hf", "rollout.engine=hf", "trainer.total_steps=1", "tracking.mode=disabled")
+    assert r.returncode == 0, r.stderr[-4000:]
+    (row,) = metrics(tmp_path / "hf")
+    assert row["logprob_mismatch/max_abs"] < 1e-3 and row["response/len_mean"] > 0
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["model.path=/no/such/model"], "model.path: '/no/such/model' is neither a directory"),
+    (["data.train=/no/such.jsonl"], "data file '/no/such.jsonl' not found"),
+    (["algorithm.eps_lo=0.9"], "algorithm.eps_lo=0.9"),
+    (["rollout.prompts_per_step=1", "trainer.ppo_mini_batch_size=8"],
+     "rollout.prompts_per_step=1 must be divisible by the 2 ranks"),
+])
+def test_bad_inputs_fail_fast_with_a_message(tmp_path, args, needle):
+    nproc = 2 if "prompts" in args[0] else 1
+    r = gapo_train(tmp_path / "bad", *args, "tracking.mode=disabled", nproc=nproc, timeout=120)
+    assert r.returncode != 0 and needle in r.stderr, r.stderr[-3000:]
+
+
+def test_missing_field_in_data_file_is_named(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"problem": "1+1?", "answer": "2"}\n{"question": "2+2?", "answer": "4"}\n')
+    r = gapo_train(tmp_path / "bad", f"data.train={data}", "tracking.mode=disabled", timeout=120)
+    assert r.returncode == 2 and "item 1 has no field 'problem'" in r.stderr and "question" in r.stderr
