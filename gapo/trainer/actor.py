@@ -51,15 +51,54 @@ class MicroBatch:
         return cls(ids, att, pos, rid, rmask)
 
 
+def _logits(head: torch.nn.Module, h: Tensor, temperature: float) -> Tensor:
+    """Vocab logits at >= fp32 (bf16 log-softmax loses the small differences the IS ratio is made of)."""
+    logits = head(h)
+    return logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+
+
 def _token_logp(head: torch.nn.Module, h: Tensor, targets: Tensor, temperature: float) -> Tensor:
-    logits = head(h).float() / temperature
+    logits = _logits(head, h, temperature)
     return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, -1)
 
 
 @torch.no_grad()
 def _token_logp_entropy(head: torch.nn.Module, h: Tensor, targets: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
-    logp = torch.log_softmax(head(h).float() / temperature, -1)
+    logp = torch.log_softmax(_logits(head, h, temperature), -1)
     return logp.gather(-1, targets[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+
+def response_logprobs(base: torch.nn.Module, head: torch.nn.Module, mb: MicroBatch, temperature: float, *,
+                      entropy: bool = False, chunk: int = LOGIT_CHUNK) -> tuple[Tensor, Tensor | None]:
+    """log pi(response token) under the sampling temperature: [B, T] (0 on padding); with `entropy`
+    (no gradient) also the per-token entropy [B, T].
+
+    The decoder runs on the packed sequences; the vocab projection runs only on response positions,
+    `chunk` tokens at a time (prompt positions would each cost a [V] projection for nothing), and in
+    training each chunk's logits are recomputed in backward rather than stored.
+    """
+    out = base(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
+    h = out.last_hidden_state  # [B, L, H]
+    rows, cols = mb.resp_mask.nonzero(as_tuple=True)
+    hr = h[rows, mb.resp_pos[rows, cols]]  # [N, H], N = response tokens
+    targets = mb.resp_ids[rows, cols]
+    logps, ents = [], []
+    for s in range(0, hr.shape[0], chunk):
+        hc, tc = hr[s:s + chunk], targets[s:s + chunk]
+        if entropy:  # the old-logprob pass: no gradient, one projection gives both
+            lp, ent = _token_logp_entropy(head, hc, tc, temperature)
+            logps.append(lp)
+            ents.append(ent)
+        elif torch.is_grad_enabled():
+            logps.append(checkpoint(_token_logp, head, hc, tc, temperature, use_reentrant=False))
+        else:
+            logps.append(_token_logp(head, hc, tc, temperature))
+
+    def unflatten(parts: list[Tensor]) -> Tensor:
+        flat = torch.cat(parts) if parts else hr.new_zeros(0, dtype=torch.float32)
+        return torch.zeros(mb.resp_mask.shape, dtype=flat.dtype).index_put((rows, cols), flat)
+
+    return unflatten(logps), (unflatten(ents) if entropy else None)
 
 
 class Actor:
@@ -71,7 +110,6 @@ class Actor:
         t = cfg.trainer
         self.cfg = cfg
         self.world = dist.get_world_size()
-        self.temperature = cfg.rollout.temperature
         bf16 = cfg.model.dtype == "bfloat16"
         ds_config = {
             "train_micro_batch_size_per_gpu": t.micro_batch_size,
@@ -107,35 +145,6 @@ class Actor:
         self.module = self.engine.module
         self.base = self.module.get_decoder()
         self.head = self.module.get_output_embeddings()
-
-    def logprobs(self, mb: MicroBatch, *, entropy: bool = False) -> tuple[Tensor, Tensor | None]:
-        """log pi(response token) under the sampling temperature: [B, T] (0 on padding); with `entropy`
-        (no gradient) also the per-token entropy [B, T].
-
-        The decoder runs on the packed sequences; the vocab projection runs only on response positions,
-        in chunks (prompt positions would cost a [L, V] projection each for nothing).
-        """
-        out = self.base(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
-        h = out.last_hidden_state  # [B, L, H]
-        rows, cols = mb.resp_mask.nonzero(as_tuple=True)
-        hr = h[rows, mb.resp_pos[rows, cols]]  # [N, H], N = response tokens
-        targets = mb.resp_ids[rows, cols]
-        logps, ents = [], []
-        for s in range(0, hr.shape[0], LOGIT_CHUNK):
-            hc, tc = hr[s:s + LOGIT_CHUNK], targets[s:s + LOGIT_CHUNK]
-            if entropy:  # the old-logprob pass: no gradient, one projection gives both
-                lp, ent = _token_logp_entropy(self.head, hc, tc, self.temperature)
-                logps.append(lp)
-                ents.append(ent)
-            elif torch.is_grad_enabled():
-                logps.append(checkpoint(_token_logp, self.head, hc, tc, self.temperature, use_reentrant=False))
-            else:
-                logps.append(_token_logp(self.head, hc, tc, self.temperature))
-        def unflatten(parts: list[Tensor]) -> Tensor:
-            flat = torch.cat(parts) if parts else hr.new_zeros(0, dtype=torch.float32)
-            return torch.zeros(mb.resp_mask.shape, dtype=flat.dtype).index_put((rows, cols), flat)
-
-        return unflatten(logps), (unflatten(ents) if entropy else None)
 
     def backward(self, loss: Tensor) -> None:
         """Our loss is already this micro-batch's exact share of the whole step (step-global normaliser), so

@@ -28,7 +28,7 @@ from gapo.models import resolve_model
 from gapo.reward.registry import score_groups
 from gapo.rollout.types import Rollout, SamplingConfig
 from gapo.tracking import Tracker
-from gapo.trainer.actor import Actor, MicroBatch
+from gapo.trainer.actor import Actor, MicroBatch, response_logprobs
 from gapo.trainer.losses import (
     RolloutStats,
     StepNorm,
@@ -176,7 +176,7 @@ def train(cfg: Config) -> Path:
         old_logps, entropy_sum, mismatch = [], 0.0, []
         with torch.no_grad():
             for i, mb in enumerate(mbs):
-                lp, ent = actor.logprobs(mb, entropy=True)
+                lp, ent = response_logprobs(actor.base, actor.head, mb, r.temperature, entropy=True)
                 eng = torch.zeros_like(lp)
                 for b, x in enumerate(rollouts[i * t.micro_batch_size:(i + 1) * t.micro_batch_size]):
                     eng[b, :len(x.logprobs)] = torch.tensor(x.logprobs)
@@ -202,7 +202,7 @@ def train(cfg: Config) -> Path:
                                 constant=a.loss_constant)
                 for i in idx:
                     sl = slice(i * t.micro_batch_size, (i + 1) * t.micro_batch_size)
-                    logp, _ = actor.logprobs(mbs[i])
+                    logp, _ = response_logprobs(actor.base, actor.head, mbs[i], r.temperature)
                     loss, st = policy_loss(logp, old_logps[i], mbs[i].resp_mask, ga.adv[sl], ga.c[sl], ga.k[sl],
                                            a.eps_lo, eps_hi[sl], norm, is_level=a.is_level, clip_rule=a.clip,
                                            loss_agg=a.loss_agg)
