@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -28,6 +29,7 @@ import pytest
 from gapo.reward.math import (
     MathGold,
     MathVerifier,
+    _ResourceErrorSpy,
     default_verifier,
     extract_answer,
     normalize_gold,
@@ -240,6 +242,9 @@ def test_hard_deadline_kills_and_replaces_the_worker() -> None:
         assert v._workers[0].proc.pid != old_pid
         with pytest.raises(ProcessLookupError):
             os.kill(old_pid, 0)  # killed and reaped, not a zombie
+        # An item queued behind the hung one (pipelining) is re-sent to the replacement, not lost.
+        hung, behind = v.score(["\\boxed{9^{9^{9^{9}}}}", "\\boxed{7}"], "7")
+        assert (hung.status, behind.status) == ("timeout", "correct")
         v.soft_timeout_s = 1.2
         assert _statuses(v.score(["\\boxed{2}", "\\boxed{3}"], "2")) == ["correct", "wrong"]
 
@@ -342,3 +347,18 @@ def test_olympiad_bench_gold_formats_verify(verifier: MathVerifier) -> None:
     results = [row[0] for row in verifier.score_batch(groups)]
     failures = [(x["answer"], r) for x, r in zip(items, results, strict=True) if r.status != "correct"]
     assert len(failures) / len(items) <= 0.01, failures
+
+
+def test_resource_errors_inside_math_verify_are_noticed() -> None:
+    """math-verify swallows every exception into False; the worker's spy turns MemoryError and
+    RecursionError into status `error` (see _worker_main). Real inputs that exhaust memory are
+    machine-dependent, so the spy is checked on the log records math-verify emits."""
+    spy = _ResourceErrorSpy()
+    for exc in (ValueError("bad latex"), MemoryError(), RecursionError("deep")):
+        try:
+            raise exc
+        except Exception:
+            record = logging.LogRecord("math_verify", logging.DEBUG, __file__, 1, "Error parsing", None,
+                                       sys.exc_info())
+        spy.emit(record)
+    assert spy.seen == ["MemoryError", "RecursionError"]

@@ -71,6 +71,10 @@ logger = logging.getLogger("gapo.reward")
 _STARTUP_TIMEOUT_S = 120.0
 # Consecutive workers that die before becoming ready before we conclude the installation is broken.
 _MAX_STARTUP_FAILURES = 3
+# Jobs in flight per worker, and the largest job that may be queued behind a busy worker (a write that
+# fills the pipe would block the parent, and with it every other worker's deadline, until the item ends).
+_PIPELINE_DEPTH = 2
+_PIPELINE_MAX_BYTES = 16384
 _ANSWER_LOG_CHARS = 200
 
 
@@ -369,7 +373,9 @@ class _Job:
 
 
 class _Worker:
-    """One verifier process, with the job it is working on and the time by which it must answer."""
+    """One verifier process and the jobs sent to it. Up to _PIPELINE_DEPTH jobs are in flight, so the
+    worker never waits for the parent between items; each item still gets its own deadline, counted from
+    when the worker finished the previous one."""
 
     def __init__(self, memory_mb: int) -> None:
         package_root = str(Path(__file__).resolve().parents[2])
@@ -386,15 +392,21 @@ class _Worker:
         )
         self.buffer = b""
         self.ready = False
-        self.job: int | None = None
-        self.deadline = time.monotonic() + _STARTUP_TIMEOUT_S
+        self.jobs: deque[int] = deque()  # sent, unanswered; the worker is verifying the head now
+        self.head_since = 0.0  # when the worker started on the head job
+        self.startup_deadline = time.monotonic() + _STARTUP_TIMEOUT_S
+
+    def deadline(self, timeout_s: float) -> float:
+        if not self.ready:
+            return self.startup_deadline
+        return self.head_since + timeout_s if self.jobs else math.inf
 
     def fileno(self) -> int:
         return self.proc.stdout.fileno()
 
-    def send(self, message: dict[str, Any]) -> bool:
+    def send(self, payload: bytes) -> bool:
         try:
-            self.proc.stdin.write((json.dumps(message) + "\n").encode())
+            self.proc.stdin.write(payload)
             self.proc.stdin.flush()
             return True
         except (BrokenPipeError, OSError):
@@ -520,57 +532,61 @@ class MathVerifier:
                 raise RuntimeError("MathVerifier is closed")
             while len(self._workers) < self.num_workers:
                 self._workers.append(_Worker(self.memory_mb))
-            while pending or any(w.job is not None for w in self._workers):
-                for worker in self._workers:
-                    if worker.ready and worker.job is None and pending:
-                        self._dispatch(worker, pending.popleft(), jobs, pending)
-                watched = [w for w in self._workers if w.job is not None or not w.ready]
-                wait_s = max(0.0, min(w.deadline for w in watched) - time.monotonic())
+            while pending or any(w.jobs for w in self._workers):
+                for worker in list(self._workers):
+                    while worker.ready and len(worker.jobs) < _PIPELINE_DEPTH and pending:
+                        if not self._dispatch(worker, jobs, pending):
+                            break
+                watched = [w for w in self._workers if w.jobs or not w.ready]
+                wait_s = max(0.0, min(w.deadline(self.timeout_s) for w in watched) - time.monotonic())
                 readable, _, _ = select.select(watched, [], [], wait_s)
                 for worker in readable:
-                    self._collect(worker, results)
+                    self._collect(worker, results, pending)
                 now = time.monotonic()
                 for worker in list(self._workers):
-                    if worker.deadline <= now:
-                        if worker.job is not None:
-                            results[worker.job] = ("timeout", f"no verdict within the {self.timeout_s:g}s deadline")
-                            self._replace(worker, started=True)
-                        else:
-                            self._replace(worker, started=False)
+                    if worker.deadline(self.timeout_s) <= now:
+                        if worker.jobs:
+                            results[worker.jobs.popleft()] = (
+                                "timeout", f"no verdict within the {self.timeout_s:g}s deadline")
+                            pending.extendleft(reversed(worker.jobs))  # queued behind it: not started
+                        self._replace(worker, started=worker.ready)
         return [r for r in results if r is not None]
 
-    def _dispatch(self, worker: _Worker, index: int, jobs: list[_Job], pending: deque[int]) -> None:
-        job = jobs[index]
-        message = {"id": index, "answer": job.answer, "golds": list(job.golds), "unit": job.unit,
+    def _dispatch(self, worker: _Worker, jobs: list[_Job], pending: deque[int]) -> bool:
+        """Send the next pending job to `worker`; False if it should not take one now."""
+        job = jobs[pending[0]]
+        message = {"id": pending[0], "answer": job.answer, "golds": list(job.golds), "unit": job.unit,
                    "soft_timeout_s": self.soft_timeout_s}
-        if worker.send(message):
-            worker.job = index
-            worker.deadline = time.monotonic() + self.timeout_s
-        else:  # died while idle: put the job back and start a fresh worker
-            pending.appendleft(index)
+        payload = (json.dumps(message) + "\n").encode()
+        if worker.jobs and len(payload) > _PIPELINE_MAX_BYTES:
+            return False
+        if not worker.send(payload):  # died: its unanswered jobs go back, a fresh worker takes its slot
+            pending.extendleft(reversed(worker.jobs))
             self._replace(worker, started=True)
+            return False
+        if not worker.jobs:
+            worker.head_since = time.monotonic()
+        worker.jobs.append(pending.popleft())
+        return True
 
-    def _collect(self, worker: _Worker, results: list[tuple[str, str] | None]) -> None:
+    def _collect(self, worker: _Worker, results: list[tuple[str, str] | None], pending: deque[int]) -> None:
         lines = worker.read_lines()
         if lines is None:
             code = worker.proc.wait()
-            if worker.job is not None:
-                results[worker.job] = ("error", f"verifier worker died (exit code {code})")
-                self._replace(worker, started=True)
-            else:
-                self._replace(worker, started=worker.ready)
+            if worker.jobs:
+                results[worker.jobs.popleft()] = ("error", f"verifier worker died (exit code {code})")
+                pending.extendleft(reversed(worker.jobs))
+            self._replace(worker, started=worker.ready)
             return
         for line in lines:
             if line == b"ready":
                 worker.ready = True
-                worker.deadline = math.inf
                 self._startup_failures = 0
                 continue
             message = json.loads(line)
-            if message["id"] == worker.job:
-                results[worker.job] = (message["status"], message["detail"])
-                worker.job = None
-                worker.deadline = math.inf
+            if worker.jobs and message["id"] == worker.jobs[0]:
+                results[worker.jobs.popleft()] = (message["status"], message["detail"])
+                worker.head_since = time.monotonic()
 
     def _replace(self, worker: _Worker, *, started: bool) -> None:
         """Kill a worker (hung, dead or failed to start) and put a fresh one in its slot."""
