@@ -43,6 +43,9 @@ def train_main(argv: list[str] | None = None) -> int:
         return subprocess.call(cmd)
     # OpenMP threads spin-wait by default, which slows vLLM's CPU generation ~6x when two runtimes share cores.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # vLLM freezes torch's thread count at engine build (1 unless OMP_NUM_THREADS says otherwise), and the
+    # trainer shares it: give a single rank every core. (torchrun sets 1 per rank itself.)
+    os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from gapo.trainer.loop import train
 
