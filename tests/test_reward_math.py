@@ -35,7 +35,7 @@ from gapo.reward.math import (
     normalize_gold,
     score_math,
 )
-from gapo.reward.types import RewardResult
+from gapo.reward.types import RewardResult, status_counts
 
 
 def _data_dir() -> Path:
@@ -362,3 +362,10 @@ def test_resource_errors_inside_math_verify_are_noticed() -> None:
                                        sys.exc_info())
         spy.emit(record)
     assert spy.seen == ["MemoryError", "RecursionError"]
+
+
+def test_status_counts_for_metrics() -> None:
+    results = [RewardResult.of("correct"), RewardResult.of("timeout"), RewardResult.of("wrong", flags=("unisolated",)),
+               RewardResult.of("timeout")]
+    assert status_counts(results) == {"correct": 1, "wrong": 1, "no_answer": 0, "timeout": 2, "error": 0,
+                                      "unisolated": 1}

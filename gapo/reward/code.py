@@ -25,7 +25,9 @@ Comparison (done here, in the parent, never inside the sandbox):
     error (the usual judge tolerance); integer and text tokens must match exactly.
   * call-based values: JSON values compared structurally (tuples returned by the program arrive as lists);
     bools only equal bools; two ints exactly; if either number is a float, within 1e-6 absolute or relative.
-Reward 1.0 only if every case passes; the run stops at the first failing case. A case that runs out of
+Problems that accept several correct outputs need a special checker, which these formats do not carry:
+such a problem only rewards the stored output. Reward 1.0 only if every case passes; the run stops at the
+first failing case. A case that runs out of
 time (wall clock or CPU) gives status `timeout`; a failure of the sandbox itself gives `error` and is logged.
 `timeout_s` is the budget of ONE case (one execution of the program).
 """

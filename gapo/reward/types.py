@@ -7,6 +7,7 @@ scores 0 ruins a run without anyone noticing. So every score carries a status, a
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 STATUSES = ("correct", "wrong", "no_answer", "timeout", "error")
@@ -44,3 +45,14 @@ def _clip(text: str, limit: int = 300) -> str:
     """Details go into logs and metrics; a 1 MB wrong answer must not."""
     text = str(text)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def status_counts(results: Iterable[RewardResult]) -> dict[str, int]:
+    """Per-status counts (every status present, zeros included) plus per-flag counts, for a step's
+    metrics: timeouts and errors must show up as numbers, not hide inside the mean reward."""
+    counts = dict.fromkeys(STATUSES, 0)
+    for result in results:
+        counts[result.status] += 1
+        for flag in result.flags:
+            counts[flag] = counts.get(flag, 0) + 1
+    return counts
