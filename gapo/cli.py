@@ -24,10 +24,12 @@ def train_main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", required=True, help="YAML file, or the name of a config shipped in configs/")
     p.add_argument("--print-config", action="store_true", help="print the fully resolved config and exit")
     p.add_argument("--nproc", type=int, default=1, help="local ranks to start (torchrun); default 1")
+    p.add_argument("--resume", metavar="PATH", help="run directory (its latest checkpoint) or checkpoint directory")
     p.add_argument("overrides", nargs="*", metavar="key.path=value", help="e.g. algorithm.name=gspo trainer.lr=2e-6")
     args = p.parse_args(argv)
+    overrides = args.overrides + ([f"trainer.resume_from={args.resume}"] if args.resume else [])
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, overrides)
     except ConfigError as err:
         print(f"gapo-train: {err}", file=sys.stderr)
         return 2

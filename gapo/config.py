@@ -152,6 +152,8 @@ class RewardConfig(_Section):
     math_timeout_s: float = Field(10.0, gt=0.0)
     code_timeout_s: float = Field(10.0, gt=0.0)
     code_memory_mb: int = Field(1024, gt=0)
+    # Score a response with no boxed answer on its last number (the CPU demo's small model rarely boxes).
+    math_last_number_fallback: bool = False
 
 
 class TrainerConfig(_Section):
@@ -172,6 +174,9 @@ class TrainerConfig(_Section):
     ppo_epochs: int = Field(1, ge=1)
     zero_stage: Literal[0, 1, 2, 3] = 3
     seed: int = 0
+    # Continue from a checkpoint (a run directory -> its latest, or a checkpoint directory); `--resume` sets it.
+    # With a different algorithm.* this is the paper's intervention: a new run linked to its parent.
+    resume_from: str | None = None
     # Write every rollout (text, reward, c, advantage, IS ratio and clip decision per update) to rollouts.jsonl.
     log_rollouts: bool = False
 

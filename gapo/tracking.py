@@ -15,7 +15,7 @@ from gapo.config import Config, dump_config
 
 
 class Tracker:
-    def __init__(self, cfg: Config, run_dir: Path, *, wandb_id: str | None = None):
+    def __init__(self, cfg: Config, run_dir: Path, *, wandb_id: str | None = None, parent: dict | None = None):
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         tmp = run_dir / "config.yaml.tmp"
@@ -26,9 +26,12 @@ class Tracker:
         if cfg.tracking.wandb and cfg.tracking.mode != "disabled":
             import wandb
 
+            config = {**cfg.model_dump(mode="json"), "parent": parent}
+            notes = f"branched from {parent['run_dir']} at step {parent['step']}" if parent else None
             self.wandb = wandb.init(project=cfg.tracking.project, name=cfg.tracking.run_name or run_dir.name,
-                                    tags=cfg.tracking.tags, config=cfg.model_dump(mode="json"),
-                                    dir=str(run_dir), mode=cfg.tracking.mode, id=wandb_id, resume="allow")
+                                    tags=cfg.tracking.tags + (["branch"] if parent else []), config=config,
+                                    notes=notes, dir=str(run_dir), mode=cfg.tracking.mode, id=wandb_id,
+                                    resume="allow")
 
     @property
     def wandb_id(self) -> str | None:

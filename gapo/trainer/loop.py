@@ -28,6 +28,7 @@ from gapo.models import resolve_model
 from gapo.reward.registry import score_groups
 from gapo.rollout.types import Rollout, SamplingConfig
 from gapo.tracking import Tracker
+from gapo.trainer import checkpoint
 from gapo.trainer.actor import Actor, MicroBatch, response_logprobs
 from gapo.trainer.losses import (
     RolloutStats,
@@ -104,10 +105,28 @@ def gather(obj):
 def train(cfg: Config) -> Path:
     rank, world = init_distributed()
     prompts_per_rank, micro_per_step = check_shapes(cfg, world)
+    random.seed(cfg.trainer.seed + rank)
+    np.random.seed(cfg.trainer.seed + rank)
+    torch.manual_seed(cfg.trainer.seed + rank)
+
+    # --- resume / branch: decided before anything is built, so a bad checkpoint fails in seconds -----
+    ckpt, state, parent, branched = None, None, None, False
+    if cfg.trainer.resume_from:
+        ckpt = checkpoint.find(cfg.trainer.resume_from)
+        state, saved = checkpoint.read(ckpt)
+        changed = checkpoint.check_compatible(saved, cfg, state, world)
+        parent_dir = ckpt.parent.parent
+        if any(k.startswith("algorithm.") for k in changed) and \
+                Path(cfg.trainer.output_dir).resolve() == parent_dir.resolve():
+            # An intervention is a new run next to its parent; the parent's log stays as it was.
+            cfg.trainer.output_dir = f"{parent_dir}-{cfg.algorithm.name}-from-step{state.step}"
+        branched = Path(cfg.trainer.output_dir).resolve() != parent_dir.resolve()
+        parent = {"run_dir": str(parent_dir), "step": state.step, "algorithm": saved.algorithm.name,
+                  "wandb_id": state.wandb_id} if branched else state.parent
+        if rank == 0:
+            log.info("resuming from %s (step %d)%s; changed: %s", ckpt, state.step,
+                     f", branching into {cfg.trainer.output_dir}" if branched else "", ", ".join(changed) or "-")
     t, r, a = cfg.trainer, cfg.rollout, cfg.algorithm
-    random.seed(t.seed + rank)
-    np.random.seed(t.seed + rank)
-    torch.manual_seed(t.seed + rank)
     run_dir = Path(t.output_dir)
 
     # --- model, data, engine, actor ---------------------------------------------------------------
@@ -130,11 +149,24 @@ def train(cfg: Config) -> Path:
     mini_per_rank = t.ppo_mini_batch_size // world
     steps_per_rollout = t.ppo_epochs * (rollouts_per_rank // mini_per_rank)
     actor = Actor(cfg, model_dir, steps_per_rollout=steps_per_rollout, micro_per_step=micro_per_step)
-    tracker = Tracker(cfg, run_dir) if rank == 0 else None
+    start = 1
+    if ckpt is not None:
+        checkpoint.load(actor, ckpt)  # model, optimizer, scheduler, this rank's RNG states
+        sampler.load_state_dict(state.sampler)
+        start = state.step + 1
+        engine.push_weights(actor.gathered_weights())
+    tracker = None
+    if rank == 0:
+        if state and not branched:  # the same run goes on: same wandb run, log cut back to the checkpoint
+            checkpoint.truncate_metrics(run_dir, state.step)
+        # A branch is a new wandb run whose config links its parent.
+        tracker = Tracker(cfg, run_dir, wandb_id=state.wandb_id if state and not branched else None, parent=parent)
+    wandb_id = gather(tracker.wandb_id if tracker else None)[0]
     sampling = SamplingConfig(n=r.group_size, temperature=r.temperature, top_p=r.top_p,
                               max_new_tokens=r.max_new_tokens)
 
-    for step in range(1, t.total_steps + 1):
+    for step in tqdm(range(start, t.total_steps + 1), desc="steps", disable=rank != 0, initial=start - 1,
+                     total=t.total_steps):
         timings: dict[str, float] = {}
         # --- 1. prompts: the same global draw on every rank, each rank takes its contiguous shard ----
         batch = sampler.next(r.prompts_per_step)
@@ -148,7 +180,7 @@ def train(cfg: Config) -> Path:
 
         # --- 2. rewards and advantages ------------------------------------------------------------
         tic = time.perf_counter()
-        results = score_groups(d.type, [[x.text for x in g] for g in groups], [problems[batch[j]].gold for j in mine],
+        results = score_groups(d.type, [[x.text for x in g] for g in groups], [problems[batch[j]] for j in mine],
                                cfg.reward)
         timings["reward"] = time.perf_counter() - tic
         rollouts = [x for g in groups for x in g]
@@ -229,6 +261,8 @@ def train(cfg: Config) -> Path:
         parts = gather(local)
         if rank == 0:
             metrics = step_metrics(parts, a.is_level, grad_norm, lr)
+            if parent and step == start:
+                metrics["branch/parent_step"] = parent["step"]
             tracker.log(step, metrics)
             if t.log_rollouts:
                 tracker.log_rollouts([rec for p in parts for rec in p["records"]])
@@ -236,6 +270,11 @@ def train(cfg: Config) -> Path:
                        f"clip {metrics['clip_frac']:.3f} len {metrics['response/len_mean']:.1f} "
                        f"gen {timings['generate']:.1f}s train {timings['train']:.1f}s "
                        f"push {timings['weight_push']:.2f}s")
+
+        # --- 7. checkpoint (collective) ----------------------------------------------------------
+        if (t.save_every and step % t.save_every == 0) or step == t.total_steps:
+            checkpoint.save(actor, tokenizer, cfg, checkpoint.TrainerState(
+                step=step, sampler=sampler.state_dict(), world_size=world, wandb_id=wandb_id, parent=parent), run_dir)
     if tracker:
         tracker.finish()
     dist.barrier()

@@ -1,0 +1,192 @@
+"""Checkpoints that a crash cannot half-write, exact resume, and branching a run with another algorithm.
+
+Layout of a run directory:
+
+    <output_dir>/checkpoints/step_000600/
+        ds/                 DeepSpeed engine state (model, optimizer, LR scheduler), one shard per rank
+        hf/                 the policy as a Hugging Face model + tokenizer (gapo-eval, vLLM, transformers)
+        trainer.json        step, sampler position, wandb id, parent run, world size
+        rng_rank{r}.pt      python / numpy / torch RNG states of every rank
+        config.yaml         the resolved config that wrote it
+    <output_dir>/checkpoints/latest      name of the newest complete checkpoint
+
+Everything is written under `.tmp-step_000600` and renamed into place after every file is fsynced;
+`latest` is replaced by rename too. A kill at any moment leaves the previous checkpoint loadable.
+All ranks must share the filesystem (one node, or a shared mount on several).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import yaml
+
+from gapo.config import Config, ConfigError, dump_config, resolve
+
+LATEST = "latest"
+# What may differ between a checkpoint's config and the run that resumes it. Anything else (the model,
+# the data, group size, batch shapes, optimizer settings held in the optimizer state) is refused.
+MAY_CHANGE = ("algorithm.", "trainer.resume_from", "trainer.total_steps", "trainer.output_dir", "trainer.save_every",
+              "trainer.keep_last", "trainer.eval_every", "trainer.log_rollouts", "tracking.", "reward.",
+              "rollout.engine", "rollout.enforce_eager", "rollout.kv_cache_gb", "rollout.gpu_memory_utilization",
+              "rollout.sleep_between_steps")
+
+
+@dataclass
+class TrainerState:
+    step: int
+    sampler: dict
+    world_size: int
+    wandb_id: str | None = None
+    # Where this run branched from: {"run_dir", "step", "algorithm"} (the paper's step-600 intervention).
+    parent: dict | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def _fsync_tree(root: Path) -> None:
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+    for d in [root, *[p for p in root.rglob("*") if p.is_dir()]]:
+        fd = os.open(d, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save(actor, tokenizer, cfg: Config, state: TrainerState, run_dir: Path) -> Path:
+    """Collective: every rank calls it. Returns the checkpoint directory."""
+    rank = dist.get_rank()
+    root = run_dir / "checkpoints"
+    name = f"step_{state.step:06d}"
+    tmp, final = root / f".tmp-{name}", root / name
+    if rank == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)  # left by a crash during an earlier attempt at this step
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    actor.engine.save_checkpoint(str(tmp / "ds"), tag="state", save_latest=False)
+    torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+               tmp / f"rng_rank{rank}.pt")
+    state_dict = actor.engine._zero3_consolidated_16bit_state_dict() if cfg.trainer.zero_stage == 3 \
+        else actor.module.state_dict()  # collective under ZeRO-3; full on rank 0 only
+    if rank == 0:
+        actor.module.save_pretrained(tmp / "hf", state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(tmp / "hf")
+        (tmp / "trainer.json").write_text(json.dumps(asdict(state), indent=1))
+        (tmp / "config.yaml").write_text(dump_config(cfg))
+    dist.barrier()
+    if rank == 0:
+        _fsync_tree(tmp)
+        if os.environ.get("GAPO_FAULT") == "kill_before_rename":  # fault injection for the crash tests
+            os.kill(os.getpid(), 9)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _write_atomic(root / LATEST, name)
+        _prune(root, cfg.trainer.keep_last)
+    dist.barrier()
+    return final
+
+
+def _prune(root: Path, keep: int) -> None:
+    done = sorted(p for p in root.glob("step_*") if p.is_dir())
+    for old in done[:-keep]:
+        shutil.rmtree(old)
+
+
+def find(path: str | Path) -> Path:
+    """A run directory (-> its latest complete checkpoint) or a checkpoint directory."""
+    p = Path(path)
+    if (p / "trainer.json").is_file():
+        return p
+    latest = p / "checkpoints" / LATEST
+    if latest.is_file():
+        ckpt = p / "checkpoints" / latest.read_text().strip()
+        if not (ckpt / "trainer.json").is_file():
+            raise ConfigError(f"--resume {path}: {latest} names {ckpt.name}, which is missing or incomplete")
+        return ckpt
+    if p.is_dir() and (p / "checkpoints").is_dir():
+        raise ConfigError(f"--resume {path}: no complete checkpoint in {p / 'checkpoints'} (no 'latest' file)")
+    raise ConfigError(f"--resume {path}: not a run directory with checkpoints, nor a checkpoint directory "
+                      "(one holding trainer.json)")
+
+
+def read(ckpt: Path) -> tuple[TrainerState, Config]:
+    try:
+        state = TrainerState(**json.loads((ckpt / "trainer.json").read_text()))
+        saved = resolve(yaml.safe_load((ckpt / "config.yaml").read_text()))
+    except (OSError, ValueError, TypeError) as err:
+        raise ConfigError(f"checkpoint {ckpt}: cannot read trainer.json / config.yaml ({err})") from None
+    for must in ["ds/state", "hf/config.json"]:
+        if not (ckpt / must).exists():
+            raise ConfigError(f"checkpoint {ckpt}: {must} is missing; the checkpoint is incomplete or damaged")
+    return state, saved
+
+
+def check_compatible(saved: Config, cfg: Config, state: TrainerState, world: int) -> list[str]:
+    """Keys that differ from the checkpoint's config; refuses the ones that cannot change safely."""
+
+    def flat(tree: dict, prefix: str = "") -> dict:
+        out = {}
+        for k, v in tree.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    a, b = flat(saved.model_dump(mode="json")), flat(cfg.model_dump(mode="json"))
+    changed = sorted(k for k in a if a[k] != b.get(k))
+    bad = [k for k in changed if not k.startswith(MAY_CHANGE)]
+    if bad:
+        detail = ", ".join(f"{k}: {a[k]!r} -> {b[k]!r}" for k in bad)
+        raise ConfigError(f"cannot resume with a different {detail}; only algorithm.*, tracking.*, reward.*, the "
+                          "rollout engine settings and trainer.total_steps/output_dir/save_every/keep_last/"
+                          "eval_every/log_rollouts may change")
+    if world != state.world_size:
+        raise ConfigError(f"checkpoint was written by {state.world_size} ranks, this run has {world}: the ZeRO "
+                          "partitions cannot be re-sharded on resume; resume with the same --nproc")
+    return changed
+
+
+def load(actor, ckpt: Path) -> None:
+    """Collective. Restores engine state (model, optimizer, scheduler) and this rank's RNG states."""
+    rank = dist.get_rank()
+    path, _ = actor.engine.load_checkpoint(str(ckpt / "ds"), tag="state", load_optimizer_states=True,
+                                          load_lr_scheduler_states=True)
+    if path is None:
+        raise ConfigError(f"checkpoint {ckpt}: DeepSpeed could not load {ckpt / 'ds'}")
+    rng_file = ckpt / f"rng_rank{rank}.pt"
+    if not rng_file.is_file():
+        raise ConfigError(f"checkpoint {ckpt}: {rng_file.name} is missing")
+    rng = torch.load(rng_file, weights_only=False)
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
+
+
+def truncate_metrics(run_dir: Path, step: int) -> None:
+    """Drop lines logged after `step` by the interrupted attempt, so the log reads as one straight run."""
+    f = run_dir / "metrics.jsonl"
+    if f.is_file():
+        keep = [line for line in f.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        _write_atomic(f, "".join(line + "\n" for line in keep))
+    r = run_dir / "rollouts.jsonl"
+    if r.is_file():
+        keep = [line for line in r.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        _write_atomic(r, "".join(line + "\n" for line in keep))
