@@ -95,7 +95,7 @@ def save(actor, tokenizer, cfg: Config, state: TrainerState, run_dir: Path) -> P
     dist.barrier()
     if rank == 0:
         _fsync_tree(tmp)
-        if os.environ.get("GAPO_FAULT") == "kill_before_rename":  # fault injection for the crash tests
+        if os.environ.get("GAPO_FAULT") == f"kill_before_rename:{state.step}":  # fault injection (crash tests)
             os.kill(os.getpid(), 9)
         if final.exists():
             shutil.rmtree(final)

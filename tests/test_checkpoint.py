@@ -1,0 +1,209 @@
+"""Checkpoints, exact resume (1 and 2 ranks, at an epoch boundary), crashes, and the step-600 intervention,
+with the real engine (vLLM + DeepSpeed ZeRO-3 on gloo)."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "WANDB_SILENT": "true"}
+# 8 problems, 4 prompts a step: every second step ends an epoch, so the step-2 checkpoint sits exactly on
+# an epoch boundary. GSPO 3e-3/3e-3 is the "parent" algorithm of the intervention tests.
+BASE = ["trainer.total_steps=4", "trainer.save_every=2", "trainer.keep_last=3", "data.arithmetic_size=8",
+        "trainer.log_rollouts=true", "algorithm.name=gspo"]
+TIMING = ("time/", "throughput/")
+
+
+def cmd(out: Path, *args: str, nproc: int = 1, resume: Path | None = None) -> list[str]:
+    extra = ["--resume", str(resume)] if resume else []
+    return [str(Path(sys.executable).parent / "gapo-train"), "--config", "configs/tiny_cpu.yaml", "--nproc",
+            str(nproc), *extra, f"trainer.output_dir={out}", *BASE, *args]
+
+
+def run(out: Path, *args: str, nproc: int = 1, resume: Path | None = None, env: dict | None = None,
+        ok: bool = True) -> subprocess.CompletedProcess:
+    r = subprocess.run(cmd(out, *args, nproc=nproc, resume=resume), cwd=ROOT, env=env or ENV, capture_output=True,
+                       text=True, timeout=600)
+    if ok:
+        assert r.returncode == 0, r.stderr[-5000:]
+    return r
+
+
+def metrics(run_dir: Path) -> dict[int, dict]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len({r["step"] for r in rows}) == len(rows), "a step was logged twice"
+    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows}
+
+
+def assert_same_steps(a: dict, b: dict, steps, keys_ignored=("branch/parent_step",)) -> None:
+    for s in steps:
+        ka = set(a[s]) - set(keys_ignored)
+        assert ka == set(b[s]) - set(keys_ignored)
+        for k in ka:
+            if isinstance(a[s][k], float):
+                assert b[s][k] == pytest.approx(a[s][k], rel=1e-6, abs=1e-7), (s, k)
+            else:
+                assert a[s][k] == b[s][k], (s, k)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ckpt")
+    run(d / "u1")
+    run(d / "u2", nproc=2)
+    return d
+
+
+def test_checkpoint_layout_and_pruning(base, tmp_path):
+    ck = base / "u1" / "checkpoints"
+    assert (ck / "latest").read_text() == "step_000004"
+    assert sorted(p.name for p in ck.iterdir()) == ["latest", "step_000002", "step_000004"]
+    state = json.loads((ck / "step_000004" / "trainer.json").read_text())
+    assert state["step"] == 4 and state["sampler"] == {"epoch": 2, "pos": 0, "n": 8, "seed": 0}
+    assert state["world_size"] == 1 and state["wandb_id"]
+    # The HF export loads with transformers and holds the trained (not the initial) weights.
+    from transformers import AutoModelForCausalLM
+
+    from gapo.models import resolve_model
+
+    trained = AutoModelForCausalLM.from_pretrained(ck / "step_000004" / "hf")
+    initial = AutoModelForCausalLM.from_pretrained(resolve_model("tiny-qwen2"))
+    pairs = zip(trained.parameters(), initial.parameters(), strict=True)
+    diffs = [float((p - q).abs().max().detach()) for p, q in pairs]
+    assert max(diffs) > 0
+    # keep_last prunes the oldest complete checkpoints
+    shutil.copytree(base / "u1" / "checkpoints", tmp_path / "checkpoints")
+    from gapo.trainer.checkpoint import _prune
+
+    _prune(tmp_path / "checkpoints", 1)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == ["step_000004"]
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_resume_equals_uninterrupted_at_an_epoch_boundary(base, tmp_path, nproc):
+    ref = base / f"u{nproc}"
+    run(tmp_path / "r", nproc=nproc, resume=ref / "checkpoints" / "step_000002")
+    assert sorted(metrics(tmp_path / "r")) == [3, 4]
+    assert_same_steps(metrics(ref), metrics(tmp_path / "r"), [3, 4])
+
+
+def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 300) -> None:
+    end = time.time() + timeout
+    while time.time() < end:
+        f = run_dir / "metrics.jsonl"
+        if f.is_file() and any(json.loads(x)["step"] >= step for x in f.read_text().splitlines() if x):
+            return
+        assert proc.poll() is None, "training ended before it could be killed"
+        time.sleep(0.05)
+    raise AssertionError(f"step {step} never logged")
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_kill_9_mid_step_then_resume_the_same_run(base, tmp_path, nproc):
+    out = tmp_path / "k"
+    proc = subprocess.Popen(cmd(out, nproc=nproc), cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    _wait_for_step(out, 3, proc)  # step 3 logged, step 4 under way
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert (out / "checkpoints" / "latest").read_text() == "step_000002"
+    run(out, nproc=nproc, resume=out)  # a run directory resumes from its latest checkpoint
+    assert_same_steps(metrics(base / f"u{nproc}"), metrics(out), [1, 2, 3, 4])
+
+
+def test_kill_during_checkpoint_write_leaves_the_previous_one(base, tmp_path):
+    out = tmp_path / "c"
+    r = run(out, env={**ENV, "GAPO_FAULT": "kill_before_rename:4"}, ok=False)
+    assert r.returncode != 0
+    ck = out / "checkpoints"
+    assert (ck / "latest").read_text() == "step_000002" and (ck / ".tmp-step_000004").is_dir()
+    assert not (ck / "step_000004").exists()
+    run(out, resume=out)
+    assert (ck / "latest").read_text() == "step_000004" and not (ck / ".tmp-step_000004").exists()
+    assert_same_steps(metrics(base / "u1"), metrics(out), [1, 2, 3, 4])
+
+
+def test_intervention_keeps_model_optimizer_and_data_position(base, tmp_path):
+    """GSPO 3e-3/3e-3 branched into GAPO with eps_hi_max = eps_lo = 3e-3 has the very same loss, so the branch
+    must reproduce the parent's steps 3-4 exactly: only possible if weights, Adam moments, LR schedule,
+    sampler and RNG all carried over."""
+    ckpt = base / "u1" / "checkpoints" / "step_000002"
+    run(tmp_path / "same", "algorithm.name=gapo", "algorithm.eps_lo=3e-3", "algorithm.eps_hi_max=3e-3",
+        resume=ckpt)
+    branch = metrics(tmp_path / "same")
+    assert branch[3]["branch/parent_step"] == 2
+    assert_same_steps(metrics(base / "u1"), branch, [3, 4])
+
+
+def test_intervention_changes_the_loss_and_records_its_parent(base):
+    parent = base / "u1"
+    ckpt = parent / "checkpoints" / "step_000002"
+    # No output_dir override: the branch goes next to its parent, which stays untouched.
+    before = (parent / "metrics.jsonl").read_text()
+    r = subprocess.run([str(Path(sys.executable).parent / "gapo-train"), "--config", "configs/tiny_cpu.yaml",
+                        "--resume", str(ckpt), f"trainer.output_dir={parent}", *BASE[:5], "algorithm.name=gapo",
+                        "algorithm.eps_hi_max=5e-2"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert (parent / "metrics.jsonl").read_text() == before
+    branch_dir = Path(f"{parent}-gapo-from-step2")
+    cfg = yaml.safe_load((branch_dir / "config.yaml").read_text())
+    assert cfg["algorithm"]["name"] == "gapo" and cfg["trainer"]["resume_from"] == str(ckpt)
+    a, b = metrics(parent), metrics(branch_dir)
+    assert b[3]["reward/mean"] == a[3]["reward/mean"]  # same weights and seeds: the same rollouts
+    # ... scored by another clip rule: every rollout carries GAPO's eq. 8 bound and is clipped by it.
+    from gapo.trainer.losses import gapo_clip_high
+
+    rows = lambda d: [json.loads(x) for x in (d / "rollouts.jsonl").read_text().splitlines()]  # noqa: E731
+    old3 = [x for x in rows(parent) if x["step"] == 3]
+    new3 = [x for x in rows(branch_dir) if x["step"] == 3]
+    assert [x["text"] for x in old3] == [x["text"] for x in new3]
+    assert {x["eps_hi"] for x in old3} == {3e-3}
+    for x in new3:
+        bound = float(gapo_clip_high(x["c"], x["k"], 3e-3, 5e-2))
+        assert x["eps_hi"] == pytest.approx(bound)
+        for u in x["updates"]:
+            assert (u["clip_hi_tokens"] > 0) == (x["adv"] > 0 and u["is_ratio"] > 1 + bound)
+    assert any(x["eps_hi"] > 3e-3 for x in new3 if x["adv"] > 0)
+    state = json.loads((branch_dir / "checkpoints" / "step_000004" / "trainer.json").read_text())
+    assert state["parent"] == {"run_dir": str(parent), "step": 2, "algorithm": "gspo",
+                               "wandb_id": json.loads((ckpt / "trainer.json").read_text())["wandb_id"]}
+
+
+@pytest.mark.parametrize("damage, needle", [
+    ("trainer.json", "cannot read trainer.json"),
+    ("ds", "ds/state is missing"),
+    ("rng_rank0.pt", "rng_rank0.pt is missing"),
+    ("latest", "names step_000009, which is missing"),
+])
+def test_damaged_checkpoints_give_a_clear_error(base, tmp_path, damage, needle):
+    run_dir = tmp_path / "d"
+    shutil.copytree(base / "u1", run_dir)
+    ck = run_dir / "checkpoints" / "step_000004"
+    if damage == "trainer.json":
+        (ck / "trainer.json").write_text('{"step": 4, "sampl')
+    elif damage == "latest":
+        (run_dir / "checkpoints" / "latest").write_text("step_000009")
+    elif damage == "ds":
+        shutil.rmtree(ck / "ds")
+    else:
+        (ck / damage).unlink()
+    r = run(run_dir, "trainer.total_steps=5", resume=run_dir, ok=False)
+    assert r.returncode == 2 and needle in r.stderr, r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("args, nproc, needle", [
+    (["rollout.group_size=4", "trainer.ppo_mini_batch_size=16"], 1, "rollout.group_size: 8 -> 4"),
+    (["model.path=smollm2-135m"], 1, "model.path: 'tiny-qwen2' -> 'smollm2-135m'"),
+    ([], 2, "written by 1 ranks, this run has 2"),
+])
+def test_unsafe_changes_on_resume_are_refused(base, tmp_path, args, nproc, needle):
+    r = run(tmp_path / "x", *args, nproc=nproc, resume=base / "u1", ok=False)
+    assert r.returncode != 0 and needle in r.stderr, r.stderr[-3000:]
