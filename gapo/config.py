@@ -181,6 +181,20 @@ class TrainerConfig(_Section):
     log_rollouts: bool = False
 
 
+class EvalConfig(_Section):
+    """Validation during training (every trainer.eval_every steps, before the first and after the last)."""
+
+    # Benchmark names (gapo.evaluate.BENCHMARKS, or "arithmetic": a held-out generated set) or name=path.
+    benchmarks: list[str] = Field(default_factory=list)
+    n: int = Field(4, ge=1)
+    temperature: float = Field(1.0, gt=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_new_tokens: int | None = Field(None, gt=0)  # null: rollout.max_new_tokens
+    limit: int | None = Field(None, ge=1)  # first N problems of each benchmark
+    instruction: str | None = None  # null: data.instruction
+    coverage_threshold: float = Field(0.05, ge=0.0, le=1.0)
+
+
 class TrackingConfig(_Section):
     wandb: bool = True
     project: str = "gapo"
@@ -197,6 +211,7 @@ class Config(_Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
 
     @model_validator(mode="after")

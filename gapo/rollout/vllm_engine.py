@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
+import torch
 from torch import Tensor
 
 from gapo.rollout.types import Rollout, SamplingConfig
@@ -36,10 +37,13 @@ class VLLMEngine:
         self.sleep_mode = sleep_mode
         # On CPU the KV cache otherwise takes gpu_memory_utilization x the node's RAM, per rank.
         kv = {"kv_cache_memory_bytes": int(kv_cache_gb * 2**30)} if kv_cache_gb else {}
+        # vLLM rewinds a seeded request's generator after a partial (chunked) prefill, which a CPU
+        # generator cannot do ("CPU Generator does not use offset"): on CPU, prompts are never chunked.
+        cpu = {} if torch.cuda.is_available() else {"enable_chunked_prefill": False}
         self.llm = LLM(model=model_dir, dtype=dtype, seed=seed, distributed_executor_backend="external_launcher",
                        tensor_parallel_size=1, logprobs_mode="processed_logprobs", max_model_len=max_model_len,
                        enable_prefix_caching=True, gpu_memory_utilization=gpu_memory_utilization,
-                       enable_sleep_mode=sleep_mode, enforce_eager=enforce_eager, **kv)
+                       enable_sleep_mode=sleep_mode, enforce_eager=enforce_eager, **kv, **cpu)
         self.tokenizer = self.llm.get_tokenizer()
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int]) -> list[list[Rollout]]:

@@ -35,7 +35,7 @@ LATEST = "latest"
 # What may differ between a checkpoint's config and the run that resumes it. Anything else (the model,
 # the data, group size, batch shapes, optimizer settings held in the optimizer state) is refused.
 MAY_CHANGE = ("algorithm.", "trainer.resume_from", "trainer.total_steps", "trainer.output_dir", "trainer.save_every",
-              "trainer.keep_last", "trainer.eval_every", "trainer.log_rollouts", "tracking.", "reward.",
+              "trainer.keep_last", "trainer.eval_every", "trainer.log_rollouts", "tracking.", "reward.", "eval.",
               "rollout.engine", "rollout.enforce_eager", "rollout.kv_cache_gb", "rollout.gpu_memory_utilization",
               "rollout.sleep_between_steps")
 

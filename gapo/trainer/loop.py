@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from gapo.config import Config, ConfigError
 from gapo.data import Sampler, load_problems, tokenize_problems
+from gapo.evaluate import evaluate, load_benchmark, summary, write_results
 from gapo.models import resolve_model
 from gapo.reward.registry import score_groups
 from gapo.rollout.types import Rollout, SamplingConfig
@@ -81,19 +82,20 @@ def check_shapes(cfg: Config, world: int) -> tuple[int, int]:
     return r.prompts_per_step // world, t.ppo_mini_batch_size // world // t.micro_batch_size
 
 
-def build_engine(cfg: Config, model_dir: str, rank: int):
-    r = cfg.rollout
-    if r.engine == "hf":
+def build_engine(kind: str, model_dir: str, *, dtype: str, seed: int, max_model_len: int,
+                 gpu_memory_utilization: float = 0.5, kv_cache_gb: float | None = None, sleep_mode: bool = False,
+                 enforce_eager: bool = False):
+    """The rollout engine of `kind` (vllm | hf); on CPU vLLM's KV cache defaults to 1 GiB per rank."""
+    if kind == "hf":
         from gapo.rollout.hf_engine import HFEngine
 
-        return HFEngine(model_dir, dtype=torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32)
+        return HFEngine(model_dir, dtype=torch.bfloat16 if dtype == "bfloat16" else torch.float32)
     from gapo.rollout.vllm_engine import VLLMEngine
 
-    return VLLMEngine(model_dir, dtype=cfg.model.dtype, seed=cfg.trainer.seed + rank,
-                      max_model_len=cfg.data.max_prompt_tokens + r.max_new_tokens,
-                      gpu_memory_utilization=r.gpu_memory_utilization, sleep_mode=r.sleep_between_steps,
-                      kv_cache_gb=r.kv_cache_gb or (None if torch.cuda.is_available() else 1.0),
-                      enforce_eager=r.enforce_eager)
+    return VLLMEngine(model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len,
+                      gpu_memory_utilization=gpu_memory_utilization, sleep_mode=sleep_mode,
+                      kv_cache_gb=kv_cache_gb or (None if torch.cuda.is_available() else 1.0),
+                      enforce_eager=enforce_eager)
 
 
 def gather(obj):
@@ -144,7 +146,14 @@ def train(cfg: Config) -> Path:
                              arithmetic_levels=d.arithmetic_levels)
     problems, prompt_ids = tokenize_problems(tokenizer, problems, d.instruction, d.max_prompt_tokens)
     sampler = Sampler(len(problems), seed=t.seed)
-    engine = build_engine(cfg, model_dir, rank)  # after init_distributed: vLLM joins the world group
+    ev = cfg.eval
+    benches = [load_benchmark(b, ev.limit) for b in ev.benchmarks]
+    max_new = max(r.max_new_tokens, ev.max_new_tokens or 0)
+    # After init_distributed: vLLM joins the world group.
+    engine = build_engine(r.engine, model_dir, dtype=cfg.model.dtype, seed=t.seed + rank,
+                          max_model_len=d.max_prompt_tokens + max_new,
+                          gpu_memory_utilization=r.gpu_memory_utilization, kv_cache_gb=r.kv_cache_gb,
+                          sleep_mode=r.sleep_between_steps, enforce_eager=r.enforce_eager)
     rollouts_per_rank = prompts_per_rank * r.group_size
     mini_per_rank = t.ppo_mini_batch_size // world
     steps_per_rollout = t.ppo_epochs * (rollouts_per_rank // mini_per_rank)
@@ -164,6 +173,22 @@ def train(cfg: Config) -> Path:
     wandb_id = gather(tracker.wandb_id if tracker else None)[0]
     sampling = SamplingConfig(n=r.group_size, temperature=r.temperature, top_p=r.top_p,
                               max_new_tokens=r.max_new_tokens)
+
+    def validate(step: int) -> None:
+        """Same code path as gapo-eval; per-problem solve rates go to val/step_N.jsonl for coverage plots."""
+        results = evaluate(engine, tokenizer, benches, n=ev.n, temperature=ev.temperature, top_p=ev.top_p,
+                           max_new_tokens=ev.max_new_tokens or r.max_new_tokens, reward=cfg.reward,
+                           instruction=ev.instruction if ev.instruction is not None else d.instruction,
+                           seed=t.seed, progress=False)
+        if rank == 0:
+            m = summary(results, ev.coverage_threshold)
+            tracker.log(step, m)
+            write_results(results, run_dir / "val" / f"step_{step:06d}", {"step": step})
+            tqdm.write(f"validation at step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in m.items()
+                                                                     if k.startswith("val/mean/")))
+
+    if benches and start == 1:
+        validate(0)
 
     for step in tqdm(range(start, t.total_steps + 1), desc="steps", disable=rank != 0, initial=start - 1,
                      total=t.total_steps):
@@ -270,6 +295,8 @@ def train(cfg: Config) -> Path:
                        f"clip {metrics['clip_frac']:.3f} len {metrics['response/len_mean']:.1f} "
                        f"gen {timings['generate']:.1f}s train {timings['train']:.1f}s "
                        f"push {timings['weight_push']:.2f}s")
+        if benches and ((t.eval_every and step % t.eval_every == 0) or step == t.total_steps):
+            validate(step)
 
         # --- 7. checkpoint (collective) ----------------------------------------------------------
         if (t.save_every and step % t.save_every == 0) or step == t.total_steps:

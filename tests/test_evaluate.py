@@ -1,0 +1,111 @@
+"""gapo-eval end to end on two benchmark files, validation during training, and gapo-plot on real runs."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gapo.data import arithmetic_problems
+from gapo.evaluate import BenchResult, resolve_eval_model, summary
+from gapo.metrics import pass_at_k
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("GAPO_SHARED_DATA", ROOT.parent / "shared" / "data"))
+BIN = Path(sys.executable).parent
+ENV = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "WANDB_SILENT": "true"}
+
+
+@pytest.fixture(scope="module")
+def small_sums(tmp_path_factory) -> Path:
+    """Problems the tiny model (warm-started on small sums) solves now and then."""
+    f = tmp_path_factory.mktemp("data") / "sums.jsonl"
+    f.write_text("".join(json.dumps({"problem": p.question, "answer": p.gold, "id": p.uid}) + "\n"
+                         for p in arithmetic_problems(8, seed=31, levels=["add_small"])))
+    return f
+
+
+def test_summary_pass_at_k_and_coverage():
+    r = BenchResult("b", n=4, correct=[0, 1, 4, 2], uids=list("wxyz"), statuses={})
+    m = summary([r, BenchResult("c", 4, [4], ["u"], {})], threshold=0.3)
+    assert m["val/b/pass@1"] == pytest.approx((0 + 1 + 4 + 2) / 16)
+    assert m["val/b/pass@2"] == pytest.approx(sum(pass_at_k(4, c, 2) for c in [0, 1, 4, 2]) / 4)
+    assert m["val/b/coverage"] == 2 and m["val/c/pass@4"] == 1.0
+    assert m["val/mean/pass@1"] == pytest.approx((7 / 16 + 1) / 2)
+
+
+def test_model_path_resolution(tmp_path):
+    hf = tmp_path / "run" / "checkpoints" / "step_000002" / "hf"
+    hf.mkdir(parents=True)
+    (hf / "config.json").write_text("{}")
+    (hf.parent / "trainer.json").write_text("{}")
+    (tmp_path / "run" / "checkpoints" / "latest").write_text("step_000002")
+    assert resolve_eval_model(str(tmp_path / "run")) == hf
+    assert resolve_eval_model(str(hf.parent)) == hf
+    assert resolve_eval_model(str(hf)) == hf
+
+
+def test_gapo_eval_end_to_end_on_two_benchmark_files(tmp_path, small_sums):
+    out = tmp_path / "eval"
+    r = subprocess.run([str(BIN / "gapo-eval"), "--model", "tiny-qwen2", "--benchmarks",
+                        f"math500={SHARED / 'math' / 'math500.json'},sums={small_sums}", "--limit", "8", "--n", "8",
+                        "--temperature", "1.0", "--max-new-tokens", "24", "--dtype", "float32", "--out", str(out)],
+                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "pass@8" in r.stdout and "sums" in r.stdout and "mean" in r.stdout
+    res = json.loads((out / "results.json").read_text())["metrics"]
+    rows = [json.loads(x) for x in (out / "per_problem.jsonl").read_text().splitlines()]
+    assert len(rows) == 16 and {x["benchmark"] for x in rows} == {"math500", "sums"}
+    for bench in ("math500", "sums"):
+        mine = [x for x in rows if x["benchmark"] == bench]
+        assert res[f"val/{bench}/pass@1"] == pytest.approx(sum(x["correct"] for x in mine) / (8 * len(mine)))
+        ks = [res[f"val/{bench}/pass@{k}"] for k in (1, 2, 4, 8)]
+        assert ks == sorted(ks)
+    assert res["val/sums/pass@8"] > 0  # the tiny model does solve some small sums
+
+
+def test_gapo_eval_rejects_unknown_benchmark():
+    r = subprocess.run([str(BIN / "gapo-eval"), "--model", "tiny-qwen2", "--benchmarks", "chess"], cwd=ROOT,
+                       env=ENV, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "unknown benchmark 'chess'" in r.stderr
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory, small_sums):
+    base = tmp_path_factory.mktemp("val")
+    for algo in ("gapo", "gspo"):
+        r = subprocess.run([str(BIN / "gapo-train"), "--config", "configs/tiny_cpu.yaml", f"algorithm.name={algo}",
+                            f"trainer.output_dir={base / algo}", "trainer.total_steps=3", "trainer.eval_every=2",
+                            f"eval.benchmarks=[sums={small_sums}]", "eval.n=4", "tracking.mode=disabled"],
+                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-4000:]
+    return base / "gapo", base / "gspo"
+
+
+def test_validation_during_training(two_runs):
+    run = two_runs[0]
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    val_steps = [x["step"] for x in rows if "val/mean/pass@1" in x]
+    assert val_steps == [0, 2, 3]  # before training, every eval_every, and at the end
+    row = next(x for x in rows if x["step"] == 2 and "val/sums/pass@4" in x)
+    assert 0 <= row["val/sums/pass@1"] <= row["val/sums/pass@4"] <= 1 and "val/sums/coverage" in row
+    per = [json.loads(x) for x in (run / "val" / "step_000002" / "per_problem.jsonl").read_text().splitlines()]
+    assert len(per) == 8 and all(x["n"] == 4 for x in per)
+
+
+def test_plots_from_two_real_runs(two_runs, tmp_path):
+    from gapo.plot import build_figures, load_run, main
+
+    out = tmp_path / "plots"
+    assert main([str(two_runs[0]), str(two_runs[1]), "--out", str(out)]) == 0
+    for name in ("clip_by_c.png", "is_adv_corr.png", "val_pass.png", "coverage.png", "training.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert name in (out / "index.md").read_text()
+    figs = build_figures([load_run(two_runs[0]), load_run(two_runs[1])])
+    for name in ("is_adv_corr.png", "val_pass.png", "training.png"):
+        for ax in figs[name].axes:
+            lines = [ln for ln in ax.get_lines() if not ln.get_label().startswith("_")]
+            if lines:
+                assert len(lines) == 2, (name, ax.get_title())
