@@ -4,11 +4,11 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: install test lint clean
+.PHONY: install test lint demo demo-compare clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build (see PLATFORM notes).
@@ -25,6 +25,19 @@ lint: install
 
 test: install lint
 	$(BIN)/python -m pytest -q tests
+
+# The CPU demo: SmolLM2-135M learns arithmetic with GAPO (vLLM + DeepSpeed), then the plots.
+demo: install
+	rm -rf runs/demo_cpu
+	$(BIN)/gapo-train --config configs/demo_cpu.yaml
+	$(BIN)/gapo-plot runs/demo_cpu --out runs/demo_cpu/plots
+
+# Same budget with GSPO-asym (3e-3/5e-3) and GAPO, plotted side by side (the paper's Figs. 3 and 5).
+demo-compare: install
+	rm -rf runs/demo_gapo runs/demo_gspo
+	$(BIN)/gapo-train --config configs/demo_cpu.yaml trainer.output_dir=runs/demo_gapo
+	$(BIN)/gapo-train --config configs/demo_cpu.yaml trainer.output_dir=runs/demo_gspo algorithm.name=gspo algorithm.eps_hi=5e-3
+	$(BIN)/gapo-plot runs/demo_gapo runs/demo_gspo --out runs/demo_compare
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

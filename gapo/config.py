@@ -313,13 +313,34 @@ def resolve(raw: dict | None = None, overrides: list[str] | tuple[str, ...] = ()
     return cfg
 
 
-def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    file = find_config_file(path)
+def _merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def read_config_file(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:
+    """YAML as a dict; a top-level `base: other.yaml` (relative to this file, or a shipped name) is read
+    first and this file's keys are merged over it, so a variant config states only what differs."""
+    file = find_config_file(path).resolve()
+    if file in _seen:
+        raise ConfigError(f"{file}: `base` chain loops back to itself")
     try:
-        raw = yaml.safe_load(file.read_text())
+        raw = yaml.safe_load(file.read_text()) or {}
     except yaml.YAMLError as err:
         raise ConfigError(f"{file}: not valid YAML: {err}") from None
-    return resolve(raw or {}, overrides)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{file}: expected a mapping of sections, got {type(raw).__name__}")
+    base = raw.pop("base", None)
+    if base is None:
+        return raw
+    near = file.parent / base
+    return _merge(read_config_file(near if near.is_file() else base, (*_seen, file)), raw)
+
+
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    return resolve(read_config_file(path), overrides)
 
 
 def dump_config(cfg: Config) -> str:

@@ -59,15 +59,18 @@ BENCHMARKS = {
 }
 
 
-def load_benchmark(spec: str, limit: int | None = None) -> tuple[str, str, list[Problem]]:
-    """(name, kind, problems) for `name`, `name=path` or `arithmetic`."""
+def load_benchmark(spec: str, limit: int | None = None,
+                   exclude: set[str] | None = None) -> tuple[str, str, list[Problem]]:
+    """(name, kind, problems) for `name`, `name=path` or `arithmetic` (held out from `exclude`, by default
+    from the default training set)."""
     name, _, path = spec.partition("=")
     known = BENCHMARKS.get(name)
     kind = known.kind if known else "math"
     keys = {"prompt_key": known.prompt_key, "answer_key": known.answer_key} if known else {}
     if name == "arithmetic" and not path:
-        train = {p.question for p in arithmetic_problems(2000, seed=1234)}  # the default training set
-        problems = arithmetic_problems(limit or 200, seed=4242, exclude=train)
+        if exclude is None:
+            exclude = {p.question for p in arithmetic_problems(2000, seed=1234)}  # the default training set
+        problems = arithmetic_problems(limit or 200, seed=4242, exclude=exclude)
     elif path:
         problems = load_problems(path, **keys)
     elif known:

@@ -39,6 +39,8 @@ def resolve_model(path: str) -> Path:
             _atomic_build(target, _build_smollm2 if path == "smollm2-135m" else _build_tiny_qwen2)
         return target
     p = Path(path).expanduser()
+    if not p.exists() and path.count("/") == 1 and not path.startswith((".", "/", "~")):
+        return _from_hub(path)
     if not p.is_dir():
         raise ConfigError(f"model.path: {path!r} is neither a directory nor a built-in model "
                                 f"({', '.join(BUILTIN)})")
@@ -46,6 +48,19 @@ def resolve_model(path: str) -> Path:
         raise ConfigError(f"model.path: {p} has no config.json; expected a Hugging Face model directory "
                                 "(save_pretrained output)")
     return p
+
+
+def _from_hub(repo_id: str) -> Path:
+    """A Hugging Face hub id (e.g. Qwen/Qwen2.5-Math-1.5B) -> its local snapshot, downloaded once. Rank 0
+    resolves first (the loop has a barrier), so ranks do not download concurrently."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt",
+                                                                "*.jinja", "*.tiktoken"]))
+    except Exception as err:  # offline, unknown repo, no access: all mean "not loadable from the hub"
+        raise ConfigError(f"model.path: {repo_id!r} is not a local directory, and downloading it from the "
+                          f"Hugging Face hub failed ({type(err).__name__}: {err})") from None
 
 
 def _atomic_build(target: Path, build) -> None:

@@ -147,7 +147,8 @@ def train(cfg: Config) -> Path:
     problems, prompt_ids = tokenize_problems(tokenizer, problems, d.instruction, d.max_prompt_tokens)
     sampler = Sampler(len(problems), seed=t.seed)
     ev = cfg.eval
-    benches = [load_benchmark(b, ev.limit) for b in ev.benchmarks]
+    train_questions = {p.question for p in problems}  # the held-out arithmetic set avoids all of them
+    benches = [load_benchmark(b, ev.limit, exclude=train_questions) for b in ev.benchmarks]
     max_new = max(r.max_new_tokens, ev.max_new_tokens or 0)
     # After init_distributed: vLLM joins the world group.
     engine = build_engine(r.engine, model_dir, dtype=cfg.model.dtype, seed=t.seed + rank,
@@ -182,11 +183,13 @@ def train(cfg: Config) -> Path:
                            seed=t.seed, progress=False)
         if rank == 0:
             m = summary(results, ev.coverage_threshold)
+            val_history.append((step, m))
             tracker.log(step, m)
             write_results(results, run_dir / "val" / f"step_{step:06d}", {"step": step})
             tqdm.write(f"validation at step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in m.items()
                                                                      if k.startswith("val/mean/")))
 
+    val_history: list[tuple[int, dict]] = []
     if benches and start == 1:
         validate(0)
 
@@ -303,6 +306,10 @@ def train(cfg: Config) -> Path:
             checkpoint.save(actor, tokenizer, cfg, checkpoint.TrainerState(
                 step=step, sampler=sampler.state_dict(), world_size=world, wandb_id=wandb_id, parent=parent), run_dir)
     if tracker:
+        if len(val_history) > 1:
+            (s0, m0), (s1, m1) = val_history[0], val_history[-1]
+            tqdm.write(f"held-out pass@1: {m0['val/mean/pass@1']:.3f} at step {s0} -> {m1['val/mean/pass@1']:.3f} "
+                       f"at step {s1}  ({', '.join(b[0] for b in benches)}; n={ev.n})")
         tracker.finish()
     dist.barrier()
     return run_dir
