@@ -180,3 +180,11 @@ def test_missing_field_in_data_file_is_named(tmp_path):
     data.write_text('{"problem": "1+1?", "answer": "2"}\n{"question": "2+2?", "answer": "4"}\n')
     r = gapo_train(tmp_path / "bad", f"data.train={data}", "tracking.mode=disabled", timeout=120)
     assert r.returncode == 2 and "item 1 has no field 'problem'" in r.stderr and "question" in r.stderr
+
+
+def test_a_fresh_run_refuses_a_directory_that_holds_a_run(tmp_path):
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "metrics.jsonl").write_text('{"step": 1}\n')
+    r = gapo_train(tmp_path / "old", "tracking.mode=disabled", timeout=120)
+    assert r.returncode == 2 and "already holds a run: continue it with --resume" in r.stderr
+    assert (tmp_path / "old" / "metrics.jsonl").read_text() == '{"step": 1}\n'

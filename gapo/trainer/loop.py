@@ -130,6 +130,9 @@ def train(cfg: Config) -> Path:
                      f", branching into {cfg.trainer.output_dir}" if branched else "", ", ".join(changed) or "-")
     t, r, a = cfg.trainer, cfg.rollout, cfg.algorithm
     run_dir = Path(t.output_dir)
+    if (state is None or branched) and ((run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists()):
+        raise ConfigError(f"trainer.output_dir={run_dir} already holds a run: continue it with --resume {run_dir}, "
+                          "or choose another output_dir")
 
     # --- model, data, engine, actor ---------------------------------------------------------------
     if rank == 0:
