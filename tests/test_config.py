@@ -112,3 +112,34 @@ def test_cli_reports_config_errors_on_stderr():
 def test_every_shipped_config_resolves_and_opens_with_its_command(path):
     assert path.read_text().startswith("# gapo-train --config"), f"{path.name} must open with its command"
     load_config(path)
+
+
+def test_base_configs_merge_and_loops_are_refused(tmp_path):
+    (tmp_path / "parent.yaml").write_text("trainer:\n  lr: 3.0e-6\n  total_steps: 9\nalgorithm:\n  name: gspo\n")
+    (tmp_path / "child.yaml").write_text("base: parent.yaml\ntrainer:\n  total_steps: 4\n")
+    cfg = load_config(tmp_path / "child.yaml")
+    assert (cfg.trainer.lr, cfg.trainer.total_steps, cfg.algorithm.name) == (3e-6, 4, "gspo")
+    (tmp_path / "a.yaml").write_text("base: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\n")
+    with pytest.raises(ConfigError, match="loops back"):
+        load_config(tmp_path / "a.yaml")
+
+
+def test_paper_configs_carry_the_paper_values():
+    q = load_config(ROOT / "configs/qwen_math.yaml")
+    assert (q.algorithm.name, q.algorithm.eps_lo, q.algorithm.eps_hi_max, q.rollout.group_size) == \
+        ("gapo", 3e-3, 5e-3, 8)
+    assert (q.rollout.max_new_tokens, q.rollout.temperature, q.algorithm.std_normalize, q.algorithm.kl_coef) == \
+        (3092, 1.0, False, 0.0)
+    assert len(q.eval.benchmarks) == 6
+    r1 = load_config(ROOT / "configs/r1_distill_math.yaml")
+    assert (r1.algorithm.eps_lo, r1.algorithm.eps_hi_max, r1.rollout.max_new_tokens, r1.eval.temperature) == \
+        (7e-5, 3e-4, 24576, 0.6)
+    assert load_config(ROOT / "configs/llama_math.yaml").rollout.max_new_tokens == 8192
+    dc = load_config(ROOT / "configs/deepcoder.yaml")
+    assert (dc.algorithm.is_level, dc.algorithm.clip, dc.algorithm.eps_lo, dc.algorithm.eps_hi_max, dc.data.type) == \
+        ("token", "adaptive", 0.2, 0.28, "code")
+    gi = load_config(ROOT / "configs/gspo_intervention.yaml")
+    assert (gi.algorithm.name, gi.algorithm.eps_hi) == ("gspo", 5e-3)
+    branched = load_config(ROOT / "configs/gspo_intervention.yaml", ["algorithm.name=gapo"]).algorithm
+    assert (branched.clip, branched.eps_lo, branched.eps_hi_max) == ("adaptive", 3e-3, 5e-3)

@@ -97,3 +97,11 @@ def test_sampler_epochs_and_exact_resume():
     assert s2.state_dict()["epoch"] == 1 and s2.state_dict()["pos"] == 0
     with pytest.raises(ValueError, match="sampler state is for 10 items"):
         Sampler(11, seed=5).load_state_dict(state)
+
+
+def test_hub_model_id_offline_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ConfigError, match="model.path: 'nobody-here/no-such-model' is not a local directory"):
+        resolve_model("nobody-here/no-such-model")
+    with pytest.raises(ConfigError, match="neither a directory nor a built-in"):
+        resolve_model("/no/such/dir")
