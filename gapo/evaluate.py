@@ -59,10 +59,10 @@ BENCHMARKS = {
 }
 
 
-def load_benchmark(spec: str, limit: int | None = None,
-                   exclude: set[str] | None = None) -> tuple[str, str, list[Problem]]:
-    """(name, kind, problems) for `name`, `name=path` or `arithmetic` (held out from `exclude`, by default
-    from the default training set)."""
+def load_benchmark(spec: str, limit: int | None = None, exclude: set[str] | None = None,
+                   levels: list[str] | None = None) -> tuple[str, str, list[Problem]]:
+    """(name, kind, problems) for `name`, `name=path` or `arithmetic` (problems of `levels`, held out from
+    `exclude`, by default from the default training set)."""
     name, _, path = spec.partition("=")
     known = BENCHMARKS.get(name)
     kind = known.kind if known else "math"
@@ -70,7 +70,7 @@ def load_benchmark(spec: str, limit: int | None = None,
     if name == "arithmetic" and not path:
         if exclude is None:
             exclude = {p.question for p in arithmetic_problems(2000, seed=1234)}  # the default training set
-        problems = arithmetic_problems(limit or 200, seed=4242, exclude=exclude)
+        problems = arithmetic_problems(limit or 200, seed=4242, exclude=exclude, levels=levels)
     elif path:
         problems = load_problems(path, **keys)
     elif known:

@@ -109,3 +109,12 @@ def test_plots_from_two_real_runs(two_runs, tmp_path):
             lines = [ln for ln in ax.get_lines() if not ln.get_label().startswith("_")]
             if lines:
                 assert len(lines) == 2, (name, ax.get_title())
+
+
+def test_arithmetic_benchmark_is_held_out_from_training_and_follows_its_levels():
+    from gapo.evaluate import load_benchmark
+
+    train = {p.question for p in arithmetic_problems(300, seed=1, levels=["add_small"])}
+    name, kind, probs = load_benchmark("arithmetic", 60, exclude=train, levels=["add_small"])
+    assert (name, kind, len(probs)) == ("arithmetic", "math", 60)
+    assert all(p.meta["level"] == "add_small" for p in probs) and not {p.question for p in probs} & train

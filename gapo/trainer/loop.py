@@ -151,7 +151,8 @@ def train(cfg: Config) -> Path:
     sampler = Sampler(len(problems), seed=t.seed)
     ev = cfg.eval
     train_questions = {p.question for p in problems}  # the held-out arithmetic set avoids all of them
-    benches = [load_benchmark(b, ev.limit, exclude=train_questions) for b in ev.benchmarks]
+    benches = [load_benchmark(b, ev.limit, exclude=train_questions, levels=d.arithmetic_levels)
+               for b in ev.benchmarks]
     max_new = max(r.max_new_tokens, ev.max_new_tokens or 0)
     # After init_distributed: vLLM joins the world group.
     engine = build_engine(r.engine, model_dir, dtype=cfg.model.dtype, seed=t.seed + rank,
