@@ -188,3 +188,20 @@ def test_a_fresh_run_refuses_a_directory_that_holds_a_run(tmp_path):
     r = gapo_train(tmp_path / "old", "tracking.mode=disabled", timeout=120)
     assert r.returncode == 2 and "already holds a run: continue it with --resume" in r.stderr
     assert (tmp_path / "old" / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_other_knobs_run_end_to_end(tmp_path):
+    """ZeRO-2, gradient checkpointing, warmup + cosine LR, 2 PPO epochs, reference KL, group filtering,
+    truncation masking and engine log-probs as old log-probs, all in one short run."""
+    out = tmp_path / "knobs"
+    r = gapo_train(out, "trainer.zero_stage=2", "model.gradient_checkpointing=true", "trainer.lr_schedule=cosine",
+                   "trainer.warmup_steps=1", "trainer.ppo_epochs=2", "algorithm.kl_coef=0.1",
+                   "rollout.filter_uniform_groups=true", "rollout.mask_truncated=true",
+                   "rollout.use_engine_logprobs=true", "tracking.mode=disabled")
+    assert r.returncode == 0, r.stderr[-4000:]
+    one, two = metrics(out)
+    # 4 optimizer steps per training step (2 epochs x 2 mini-batches); warmup ends after the first 4,
+    # then a cosine over the remaining 4 reaches 0.
+    assert one["lr"] == pytest.approx(1e-4) and two["lr"] == pytest.approx(0.0, abs=1e-12)
+    assert one["kl_ref"] < 1e-6 < two["kl_ref"]  # the policy starts at the reference and moves away
+    assert two["logprob_mismatch/max_abs"] < 1e-3

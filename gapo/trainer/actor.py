@@ -82,21 +82,31 @@ def response_logprobs(base: torch.nn.Module, head: torch.nn.Module, mb: MicroBat
     rows, cols = mb.resp_mask.nonzero(as_tuple=True)
     hr = h[rows, mb.resp_pos[rows, cols]]  # [N, H], N = response tokens
     targets = mb.resp_ids[rows, cols]
+    # Under ZeRO-3 every call of the head all-gathers its weight, a collective: all ranks must make the same
+    # number of calls, so the chunk count is agreed on, and a rank with fewer (or no) tokens projects one
+    # real hidden row and drops it (it also keeps the loss attached to the graph when a micro-batch is empty).
+    n_chunks = torch.tensor(max(1, math.ceil(hr.shape[0] / chunk)))
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(n_chunks, op=dist.ReduceOp.MAX)
     logps, ents = [], []
-    for s in range(0, hr.shape[0], chunk):
-        hc, tc = hr[s:s + chunk], targets[s:s + chunk]
+    for hc, tc in zip(torch.tensor_split(hr, int(n_chunks)), torch.tensor_split(targets, int(n_chunks)),
+                      strict=True):
+        dummy = hc.shape[0] == 0
+        if dummy:
+            hc, tc = h[:1, 0], mb.input_ids[:1, 0]
         if entropy:  # the old-logprob pass: no gradient, one projection gives both
             lp, ent = _token_logp_entropy(head, hc, tc, temperature)
-            logps.append(lp)
-            ents.append(ent)
+            ents.append(ent[:0] if dummy else ent)
         elif torch.is_grad_enabled():
-            logps.append(checkpoint(_token_logp, head, hc, tc, temperature, use_reentrant=False))
+            lp = checkpoint(_token_logp, head, hc, tc, temperature, use_reentrant=False)
         else:
-            logps.append(_token_logp(head, hc, tc, temperature))
+            lp = _token_logp(head, hc, tc, temperature)
+        logps.append(lp[:0] + 0 * lp.sum() if dummy else lp)  # empty, but the head stays in the graph
 
     def unflatten(parts: list[Tensor]) -> Tensor:
-        flat = torch.cat(parts) if parts else hr.new_zeros(0, dtype=torch.float32)
-        return torch.zeros(mb.resp_mask.shape, dtype=flat.dtype).index_put((rows, cols), flat)
+        flat = torch.cat(parts)
+        out = torch.zeros(mb.resp_mask.shape, dtype=flat.dtype).index_put((rows, cols), flat)
+        return out + 0 * flat.sum() if rows.numel() == 0 else out
 
     return unflatten(logps), (unflatten(ents) if entropy else None)
 
@@ -145,6 +155,18 @@ class Actor:
         self.module = self.engine.module
         self.base = self.module.get_decoder()
         self.head = self.module.get_output_embeddings()
+        self.ref_base = self.ref_head = None
+        if cfg.algorithm.kl_coef > 0:
+            # A frozen copy of the initial policy for the optional KL penalty, partitioned like the actor.
+            hf_ds = HfDeepSpeedConfig(ds_config) if t.zero_stage == 3 else None
+            ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if bf16 else torch.float32)
+            del hf_ds
+            # Without an optimizer DeepSpeed allows only stage 3 (partitioned) or 0 (a full copy per rank).
+            ref_config = {**ds_config, "zero_optimization": {**ds_config["zero_optimization"],
+                                                             "stage": 3 if t.zero_stage == 3 else 0}}
+            ref_engine, *_ = deepspeed.initialize(model=ref.eval().requires_grad_(False), config=ref_config)
+            self.ref_base = ref_engine.module.get_decoder()
+            self.ref_head = ref_engine.module.get_output_embeddings()
 
     def backward(self, loss: Tensor) -> None:
         """Our loss is already this micro-batch's exact share of the whole step (step-global normaliser), so

@@ -37,6 +37,7 @@ from gapo.trainer.losses import (
     gapo_clip_high,
     group_advantages,
     group_metrics,
+    kl_penalty,
     loss_metrics,
     policy_loss,
 )
@@ -237,10 +238,13 @@ def train(cfg: Config) -> Path:
                for i in range(0, len(rollouts), t.micro_batch_size)]
         for i, mb in enumerate(mbs):
             mb.resp_mask[~keep[i * t.micro_batch_size:(i + 1) * t.micro_batch_size]] = 0
-        old_logps, entropy_sum, mismatch = [], 0.0, []
+        old_logps, ref_logps, entropy_sum, kl_ref_sum, mismatch = [], [], 0.0, 0.0, []
         with torch.no_grad():
             for i, mb in enumerate(mbs):
                 lp, ent = response_logprobs(actor.base, actor.head, mb, r.temperature, entropy=True)
+                if a.kl_coef > 0:
+                    ref_logps.append(response_logprobs(actor.ref_base, actor.ref_head, mb, r.temperature)[0])
+                    kl_ref_sum += float(kl_penalty(lp, ref_logps[-1], mb.resp_mask, StepNorm(1.0, 1.0)))
                 eng = torch.zeros_like(lp)
                 for b, x in enumerate(rollouts[i * t.micro_batch_size:(i + 1) * t.micro_batch_size]):
                     eng[b, :len(x.logprobs)] = torch.tensor(x.logprobs)
@@ -270,6 +274,8 @@ def train(cfg: Config) -> Path:
                     loss, st = policy_loss(logp, old_logps[i], mbs[i].resp_mask, ga.adv[sl], ga.c[sl], ga.k[sl],
                                            a.eps_lo, eps_hi[sl], norm, is_level=a.is_level, clip_rule=a.clip,
                                            loss_agg=a.loss_agg)
+                    if a.kl_coef > 0:
+                        loss = loss + a.kl_coef * kl_penalty(logp, ref_logps[i], mbs[i].resp_mask, norm)
                     actor.backward(loss)
                     stats.append(st)
                 grad_norms.append(actor.grad_norm())
@@ -285,7 +291,7 @@ def train(cfg: Config) -> Path:
         local = {"stats": RolloutStats.cat(stats), "rewards": rewards, "c": ga.c, "k": ga.k,
                  "status": [res.status for res in flat_results],
                  "len": [len(x.response_ids) for x in rollouts], "trunc": [x.truncated for x in rollouts],
-                 "mismatch": torch.cat(mismatch), "entropy_sum": entropy_sum,
+                 "mismatch": torch.cat(mismatch), "entropy_sum": entropy_sum, "kl_ref_sum": kl_ref_sum,
                  "tokens": float(sum(float(mb.resp_mask.sum()) for mb in mbs)), "timings": timings}
         if t.log_rollouts:
             local["records"] = rollout_records(step, rank, [batch[j] for j in mine], problems, groups, flat_results,
@@ -360,6 +366,8 @@ def step_metrics(parts: list[dict], is_level: str, grad_norm: float, lr: float) 
     m.update({"response/len_mean": float(lengths.mean()), "response/len_max": float(lengths.max()),
               "response/truncated_frac": float(np.mean([x for p in parts for x in p["trunc"]])),
               "entropy": sum(p["entropy_sum"] for p in parts) / max(tokens, 1.0),
+              # k3 KL(pi_old || pi_ref) per token at rollout time (0 without a reference model)
+              "kl_ref": sum(p["kl_ref_sum"] for p in parts) / max(tokens, 1.0),
               "grad_norm": grad_norm, "lr": lr,
               "logprob_mismatch/mean_abs": float(mism.abs().mean()) if mism.numel() else 0.0,
               "logprob_mismatch/max_abs": float(mism.abs().max()) if mism.numel() else 0.0,
