@@ -205,3 +205,19 @@ def test_other_knobs_run_end_to_end(tmp_path):
     assert one["lr"] == pytest.approx(1e-4) and two["lr"] == pytest.approx(0.0, abs=1e-12)
     assert one["kl_ref"] < 1e-6 < two["kl_ref"]  # the policy starts at the reference and moves away
     assert two["logprob_mismatch/max_abs"] < 1e-3
+
+
+def test_two_ranks_zero3_with_masked_micro_batches(tmp_path):
+    """Filtering uniform groups leaves some micro-batches with no tokens on one rank and not on the other;
+    under ZeRO-3 both ranks must still make the same collective calls (no hang), and the run must finish."""
+    out = tmp_path / "filtered"
+    r = gapo_train(out, "rollout.filter_uniform_groups=true", "tracking.mode=disabled", "trainer.log_rollouts=true",
+                   nproc=2, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    recs = [json.loads(x) for x in (out / "rollouts.jsonl").read_text().splitlines()]
+    by_rank_group = {}
+    for x in recs:
+        by_rank_group.setdefault((x["step"], x["rank"], x["problem"]), []).append(x["c"])
+    uniform = [k for k, cs in by_rank_group.items() if cs[0] in (0, 8)]
+    assert uniform and len(uniform) < len(by_rank_group)  # both kinds of groups occurred
+    assert len(metrics(out)) == 2
