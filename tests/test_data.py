@@ -105,3 +105,15 @@ def test_hub_model_id_offline_is_a_clear_error(monkeypatch):
         resolve_model("nobody-here/no-such-model")
     with pytest.raises(ConfigError, match="neither a directory nor a built-in"):
         resolve_model("/no/such/dir")
+
+
+def test_shipped_example_file_loads_and_scores():
+    from gapo.config import RewardConfig
+    from gapo.reward.registry import score_groups
+
+    probs = load_problems(str(Path(__file__).resolve().parents[1] / "data" / "example_math.jsonl"))
+    assert len(probs) == 8 and probs[3].meta["unit"] == "cm^2"
+    answers = [["\\boxed{12}"], ["\\boxed{-4}"], ["\\boxed{0.75}"], ["\\boxed{9 cm^2}"], ["\\boxed{4}"],
+               ["\\boxed{2,3,5,7}"], ["\\boxed{12}"], ["\\boxed{(1,2]}"]]
+    results = score_groups("math", answers, probs, RewardConfig())
+    assert [g[0].status for g in results] == ["correct"] * 8
