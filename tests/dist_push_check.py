@@ -6,12 +6,13 @@ import sys
 
 import torch
 
+import gapo.trainer.actor as actor_mod
 from gapo.config import resolve
 from gapo.data import arithmetic_problems, build_prompt_ids
 from gapo.models import resolve_model
 from gapo.rollout.hf_engine import HFEngine
 from gapo.rollout.vllm_engine import VLLMEngine
-from gapo.trainer.actor import Actor, MicroBatch, response_logprobs
+from gapo.trainer.actor import Actor, MicroBatch
 from gapo.trainer.loop import init_distributed
 
 
@@ -42,10 +43,11 @@ def main(out_path: str) -> None:
 
     before = engine_logprobs(engine, seqs)  # cache the prefixes with the initial weights
     # One real update (different data per rank, so gradients are all-reduced for real).
-    logp, _ = response_logprobs(actor.base, actor.head, mb, 1.0, chunk=7)  # chunks split sequences
+    actor_mod.LOGIT_CHUNK = 7  # chunks that split sequences
+    logp, _ = actor.engine(mb, 1.0)
     actor.backward(-(logp * mb.resp_mask).sum() / mb.resp_mask.sum())
     with torch.no_grad():
-        trainer = response_logprobs(actor.base, actor.head, mb, 1.0, chunk=7)[0]
+        trainer = actor.engine(mb, 1.0)[0]
     engine.push_weights(actor.gathered_weights(bucket_numel=20_000))  # tiny buckets: many gather rounds
     after = engine_logprobs(engine, seqs)
 

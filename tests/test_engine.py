@@ -221,3 +221,18 @@ def test_two_ranks_zero3_with_masked_micro_batches(tmp_path):
     uniform = [k for k, cs in by_rank_group.items() if cs[0] in (0, 8)]
     assert uniform and len(uniform) < len(by_rank_group)  # both kinds of groups occurred
     assert len(metrics(out)) == 2
+
+
+@pytest.mark.parametrize("stage, nproc", [(3, 1), (3, 2), (2, 2)])
+def test_gradient_accumulates_over_micro_batches_and_ranks(tmp_path, stage, nproc):
+    """The DeepSpeed step's gradient equals one torch backward over all micro-batches of all ranks.
+    (Calling the model around the engine once made ZeRO-3 keep only the last micro-batch's gradient.)"""
+    out = tmp_path / "grad"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                        "tests/dist_grad_check.py", str(out), str(stage)], cwd=ROOT, env=ENV, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    for rank in range(nproc):
+        res = json.loads(Path(f"{out}.{rank}").read_text())
+        assert res["ds"] == pytest.approx(res["torch"], rel=1e-5)
+        assert abs(res["torch"] - res["last_micro_only"]) > 1e-3 * res["torch"]  # the check can tell them apart

@@ -69,7 +69,7 @@ def _token_logp_entropy(head: torch.nn.Module, h: Tensor, targets: Tensor, tempe
 
 
 def response_logprobs(base: torch.nn.Module, head: torch.nn.Module, mb: MicroBatch, temperature: float, *,
-                      entropy: bool = False, chunk: int = LOGIT_CHUNK) -> tuple[Tensor, Tensor | None]:
+                      entropy: bool = False, chunk: int | None = None) -> tuple[Tensor, Tensor | None]:
     """log pi(response token) under the sampling temperature: [B, T] (0 on padding); with `entropy`
     (no gradient) also the per-token entropy [B, T].
 
@@ -85,7 +85,7 @@ def response_logprobs(base: torch.nn.Module, head: torch.nn.Module, mb: MicroBat
     # Under ZeRO-3 every call of the head all-gathers its weight, a collective: all ranks must make the same
     # number of calls, so the chunk count is agreed on, and a rank with fewer (or no) tokens projects one
     # real hidden row and drops it (it also keeps the loss attached to the graph when a micro-batch is empty).
-    n_chunks = torch.tensor(max(1, math.ceil(hr.shape[0] / chunk)))
+    n_chunks = torch.tensor(max(1, math.ceil(hr.shape[0] / (chunk or LOGIT_CHUNK))))
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(n_chunks, op=dist.ReduceOp.MAX)
     logps, ents = [], []
@@ -109,6 +109,23 @@ def response_logprobs(base: torch.nn.Module, head: torch.nn.Module, mb: MicroBat
         return out + 0 * flat.sum() if rows.numel() == 0 else out
 
     return unflatten(logps), (unflatten(ents) if entropy else None)
+
+
+class Policy(torch.nn.Module):
+    """What DeepSpeed wraps: a causal LM whose forward is `response_logprobs`.
+
+    Every forward must go through the DeepSpeed engine: under ZeRO-3 the engine's forward is where the
+    gradient-accumulation counter advances; calling the model's submodules directly makes each micro-batch
+    overwrite the previous one's gradient instead of adding to it.
+    """
+
+    def __init__(self, lm: torch.nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, mb: MicroBatch, temperature: float, entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+        return response_logprobs(self.lm.get_decoder(), self.lm.get_output_embeddings(), mb, temperature,
+                                 entropy=entropy)
 
 
 class Actor:
@@ -151,11 +168,9 @@ class Actor:
 
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
-        self.module = self.engine.module
-        self.base = self.module.get_decoder()
-        self.head = self.module.get_output_embeddings()
-        self.ref_base = self.ref_head = None
+            model=Policy(model), optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
+        self.module = model  # the Hugging Face model inside the engine (its parameter names, save_pretrained)
+        self.ref_engine = None
         if cfg.algorithm.kl_coef > 0:
             # A frozen copy of the initial policy for the optional KL penalty, partitioned like the actor.
             hf_ds = HfDeepSpeedConfig(ds_config) if t.zero_stage == 3 else None
@@ -164,9 +179,8 @@ class Actor:
             # Without an optimizer DeepSpeed allows only stage 3 (partitioned) or 0 (a full copy per rank).
             ref_config = {**ds_config, "zero_optimization": {**ds_config["zero_optimization"],
                                                              "stage": 3 if t.zero_stage == 3 else 0}}
-            ref_engine, *_ = deepspeed.initialize(model=ref.eval().requires_grad_(False), config=ref_config)
-            self.ref_base = ref_engine.module.get_decoder()
-            self.ref_head = ref_engine.module.get_output_embeddings()
+            self.ref_engine, *_ = deepspeed.initialize(model=Policy(ref.eval().requires_grad_(False)),
+                                                       config=ref_config)
 
     def backward(self, loss: Tensor) -> None:
         """Our loss is already this micro-batch's exact share of the whole step (step-global normaliser), so

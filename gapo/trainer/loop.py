@@ -30,7 +30,7 @@ from gapo.reward.registry import score_groups
 from gapo.rollout.types import Rollout, SamplingConfig
 from gapo.tracking import Tracker
 from gapo.trainer import checkpoint
-from gapo.trainer.actor import Actor, MicroBatch, response_logprobs
+from gapo.trainer.actor import Actor, MicroBatch
 from gapo.trainer.losses import (
     RolloutStats,
     StepNorm,
@@ -241,9 +241,9 @@ def train(cfg: Config) -> Path:
         old_logps, ref_logps, entropy_sum, kl_ref_sum, mismatch = [], [], 0.0, 0.0, []
         with torch.no_grad():
             for i, mb in enumerate(mbs):
-                lp, ent = response_logprobs(actor.base, actor.head, mb, r.temperature, entropy=True)
+                lp, ent = actor.engine(mb, r.temperature, entropy=True)
                 if a.kl_coef > 0:
-                    ref_logps.append(response_logprobs(actor.ref_base, actor.ref_head, mb, r.temperature)[0])
+                    ref_logps.append(actor.ref_engine(mb, r.temperature)[0])
                     kl_ref_sum += float(kl_penalty(lp, ref_logps[-1], mb.resp_mask, StepNorm(1.0, 1.0)))
                 eng = torch.zeros_like(lp)
                 for b, x in enumerate(rollouts[i * t.micro_batch_size:(i + 1) * t.micro_batch_size]):
@@ -270,7 +270,7 @@ def train(cfg: Config) -> Path:
                                 constant=a.loss_constant)
                 for i in idx:
                     sl = slice(i * t.micro_batch_size, (i + 1) * t.micro_batch_size)
-                    logp, _ = response_logprobs(actor.base, actor.head, mbs[i], r.temperature)
+                    logp, _ = actor.engine(mbs[i], r.temperature)
                     loss, st = policy_loss(logp, old_logps[i], mbs[i].resp_mask, ga.adv[sl], ga.c[sl], ga.k[sl],
                                            a.eps_lo, eps_hi[sl], norm, is_level=a.is_level, clip_rule=a.clip,
                                            loss_agg=a.loss_agg)

@@ -1,0 +1,51 @@
+"""Run under torchrun by test_engine.py: does the DeepSpeed actor accumulate gradients over micro-batches
+and ranks exactly like one plain torch backward over all of them? Writes one JSON result per rank."""
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+from gapo.config import resolve
+from gapo.models import resolve_model
+from gapo.trainer.actor import Actor, MicroBatch, response_logprobs
+from gapo.trainer.loop import init_distributed
+
+
+def main(out_path: str, stage: int) -> None:
+    rank, world = init_distributed()
+    cfg = resolve({"model": {"path": "tiny-qwen2"}, "trainer": {"zero_stage": stage, "micro_batch_size": 2,
+                                                              "ppo_mini_batch_size": 8, "grad_clip": 1e9},
+                   "rollout": {"prompts_per_step": 1, "group_size": 8}})
+    model_dir = str(resolve_model("tiny-qwen2"))
+    micro = 8 // world // 2
+    actor = Actor(cfg, model_dir, steps_per_rollout=1, micro_per_step=micro)
+    g = torch.Generator().manual_seed(0)
+    mbs = [MicroBatch.pack([torch.randint(3, 300, (5,), generator=g).tolist() for _ in range(2)],
+                           [torch.randint(3, 300, (6,), generator=g).tolist() for _ in range(2)], 0) for _ in range(4)]
+    mine = mbs[rank * micro:(rank + 1) * micro]
+    tokens = sum(float(mb.resp_mask.sum()) for mb in mbs)  # the step-global normaliser
+    for mb in mine:
+        lp, _ = actor.engine(mb, 1.0)
+        actor.backward(-(lp * mb.resp_mask).sum() / tokens)
+    ds_norm = actor.grad_norm()
+
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    total = sum(-(response_logprobs(ref.get_decoder(), ref.get_output_embeddings(), mb, 1.0)[0] * mb.resp_mask).sum()
+                for mb in mbs) / tokens
+    total.backward()
+    ref_norm = float(torch.sqrt(sum((p.grad ** 2).sum() for p in ref.parameters())))
+    last = ref.zero_grad() or -(response_logprobs(ref.get_decoder(), ref.get_output_embeddings(), mbs[-1], 1.0)[0]
+                                * mbs[-1].resp_mask).sum() / tokens
+    last.backward()
+    last_norm = float(torch.sqrt(sum((p.grad ** 2).sum() for p in ref.parameters())))
+    dist.barrier()
+    with open(f"{out_path}.{rank}", "w") as f:
+        json.dump({"ds": ds_norm, "torch": ref_norm, "last_micro_only": last_norm}, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]))
