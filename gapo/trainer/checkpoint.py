@@ -21,7 +21,7 @@ import json
 import os
 import random
 import shutil
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -48,7 +48,6 @@ class TrainerState:
     wandb_id: str | None = None
     # Where this run branched from: {"run_dir", "step", "algorithm"} (the paper's step-600 intervention).
     parent: dict | None = None
-    extra: dict = field(default_factory=dict)
 
 
 def _fsync_tree(root: Path) -> None:
