@@ -141,7 +141,10 @@ class RolloutConfig(_Section):
     sleep_between_steps: bool = False
     # Skip vLLM's torch.compile warm-up (faster start, slower generation).
     enforce_eager: bool = False
-    # Take old log-probs from the engine instead of recomputing them with the trainer.
+    # Take old log-probs from the engine instead of recomputing them with the trainer (saves one forward
+    # pass over the batch). Sound where engine and trainer agree (fp32: ~1e-6, see the logged
+    # logprob_mismatch); the mismatch is then measured on the first optimizer step's forwards, and
+    # `entropy` is the sampled tokens' mean -log p (an unbiased estimate) instead of the exact value.
     use_engine_logprobs: bool = False
     filter_uniform_groups: bool = False
     mask_truncated: bool = False
@@ -172,6 +175,9 @@ class TrainerConfig(_Section):
     ppo_mini_batch_size: int = Field(64, ge=1)
     micro_batch_size: int = Field(8, ge=1)
     ppo_epochs: int = Field(1, ge=1)
+    # Run each distinct prompt of a micro-batch once and its rollouts on its shared KV cache (the k rollouts
+    # of a group repeat their prompt). Same result to rounding; off with gradient checkpointing in training.
+    share_prompts: bool = True
     zero_stage: Literal[0, 1, 2, 3] = 3
     seed: int = 0
     # Continue from a checkpoint (a run directory -> its latest, or a checkpoint directory); `--resume` sets it.

@@ -22,8 +22,14 @@ def main(out_path: str, stage: int) -> None:
     micro = 8 // world // 2
     actor = Actor(cfg, model_dir, steps_per_rollout=1, micro_per_step=micro)
     g = torch.Generator().manual_seed(0)
-    mbs = [MicroBatch.pack([torch.randint(3, 300, (5,), generator=g).tolist() for _ in range(2)],
-                           [torch.randint(3, 300, (6,), generator=g).tolist() for _ in range(2)], 0) for _ in range(4)]
+    # Micro-batches 0 and 2 repeat one prompt (run once on a shared KV cache, two decoder calls per forward),
+    # 1 and 3 have two different prompts; the torch reference runs every rollout whole.
+    prompts = [[torch.randint(3, 300, (5,), generator=g).tolist()] * 2 if j % 2 == 0 else
+               [torch.randint(3, 300, (5,), generator=g).tolist() for _ in range(2)] for j in range(4)]
+    responses = [[torch.randint(3, 300, (6,), generator=g).tolist() for _ in range(2)] for _ in range(4)]
+    mbs = [MicroBatch.pack(p, r, 0, share_prompts=True) for p, r in zip(prompts, responses, strict=True)]
+    assert [mb.shared is not None for mb in mbs] == [True, False, True, False]
+    plain = [MicroBatch.pack(p, r, 0) for p, r in zip(prompts, responses, strict=True)]
     mine = mbs[rank * micro:(rank + 1) * micro]
     tokens = sum(float(mb.resp_mask.sum()) for mb in mbs)  # the step-global normaliser
     for mb in mine:
@@ -35,11 +41,11 @@ def main(out_path: str, stage: int) -> None:
 
     ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     total = sum(-(response_logprobs(ref.get_decoder(), ref.get_output_embeddings(), mb, 1.0)[0] * mb.resp_mask).sum()
-                for mb in mbs) / tokens
+                for mb in plain) / tokens
     total.backward()
     ref_norm = float(torch.sqrt(sum((p.grad ** 2).sum() for p in ref.parameters())))
-    last = ref.zero_grad() or -(response_logprobs(ref.get_decoder(), ref.get_output_embeddings(), mbs[-1], 1.0)[0]
-                                * mbs[-1].resp_mask).sum() / tokens
+    last = ref.zero_grad() or -(response_logprobs(ref.get_decoder(), ref.get_output_embeddings(), plain[-1], 1.0)[0]
+                                * plain[-1].resp_mask).sum() / tokens
     last.backward()
     last_norm = float(torch.sqrt(sum((p.grad ** 2).sum() for p in ref.parameters())))
     dist.barrier()

@@ -56,3 +56,42 @@ def test_chunked_logprobs_values_entropy_and_gradients(model, chunk):
     torch.testing.assert_close(lp2, expect.detach(), rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(ent, ent_expect.detach(), rtol=1e-9, atol=1e-9)
     assert torch.all(lp[mb.resp_mask == 0] == 0)
+
+
+def test_pack_shares_repeated_prompts():
+    mb = MicroBatch.pack([[5, 6, 7], [8, 9], [5, 6, 7]], [[1, 2], [3], [4]], pad_id=0, share_prompts=True)
+    sp = mb.shared
+    assert sp.prefix_ids.tolist() == [[5, 6], [8, 0]] and sp.prefix_mask.tolist() == [[1, 1], [1, 0]]
+    assert sp.row.tolist() == [0, 1, 0]
+    assert sp.suffix_ids.tolist() == [[7, 1, 2], [9, 3, 0], [7, 4, 0]]
+    assert sp.suffix_pos.tolist() == [[2, 3, 4], [1, 2, 3], [2, 3, 4]]
+    # Nothing to share, or a one-token prompt (an all-padding prefix row): the plain layout only.
+    assert MicroBatch.pack([[5, 6], [7, 8]], [[1], [2]], 0, share_prompts=True).shared is None
+    assert MicroBatch.pack([[5], [5]], [[1], [2]], 0, share_prompts=True).shared is None
+
+
+def test_shared_prompts_give_the_same_logprobs_entropy_and_gradients(model):
+    """Each distinct prompt run once, its rollouts on its KV cache, must equal running every rollout whole.
+    (Qwen2's RMSNorm computes in fp32 even in an fp64 model, hence 1e-6 rather than 1e-10.)"""
+    g = torch.Generator().manual_seed(1)
+    pa, pb = torch.randint(3, 300, (6,), generator=g).tolist(), torch.randint(3, 300, (3,), generator=g).tolist()
+    prompts = [pa, pb, pa, pa, pb, pb, pa]
+    responses = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (4, 1, 7, 2, 5, 3, 6)]
+    adv = torch.randn(len(prompts), 1, generator=g, dtype=torch.float64)
+    base, head = model.get_decoder(), model.get_output_embeddings()
+    out = {}
+    for share in (False, True):
+        mb = MicroBatch.pack(prompts, responses, pad_id=0, share_prompts=share)
+        assert (mb.shared is not None) == share
+        lp, _ = response_logprobs(base, head, mb, 0.7)
+        model.zero_grad()
+        (lp * mb.resp_mask * adv).sum().backward()
+        with torch.no_grad():
+            _, ent = response_logprobs(base, head, mb, 0.7, entropy=True)
+        out[share] = lp.detach(), ent, {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(out[True][1], out[False][1], rtol=1e-9, atol=1e-9)
+    for name, grad in out[False][2].items():
+        assert grad.abs().max() > 0, name  # every parameter, the prompts' included, takes part
+        torch.testing.assert_close(out[True][2][name], grad, rtol=1e-6, atol=1e-6 * float(grad.abs().max()))

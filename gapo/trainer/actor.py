@@ -22,6 +22,24 @@ LOGIT_CHUNK = 1024
 
 
 @dataclass
+class SharedPrompts:
+    """The micro-batch laid out so that each distinct prompt is run once: its KV cache is shared by all of
+    its rollouts. The k rollouts of a group repeat one prompt, and in RL batches the prompt is often half of
+    the tokens, so this removes up to (k-1)/k of the prompt compute in every forward and backward.
+
+    A prompt p is split into p[:-1] (the shared prefix) and p[-1] (the first token of the rollout's own
+    suffix), so the logits predicting response token t sit at suffix position t.
+    """
+
+    prefix_ids: Tensor  # [U, P] distinct prompts without their last token, right-padded
+    prefix_mask: Tensor  # [U, P]
+    row: Tensor  # [B] which distinct prompt each rollout continues
+    suffix_ids: Tensor  # [B, S] last prompt token + response, right-padded
+    suffix_mask: Tensor  # [B, S]
+    suffix_pos: Tensor  # [B, S] absolute positions (for rotary embeddings)
+
+
+@dataclass
 class MicroBatch:
     """Rollouts packed for one forward: prompt + response, right-padded to this micro-batch's own length."""
 
@@ -30,9 +48,11 @@ class MicroBatch:
     resp_pos: Tensor  # [B, T] position in input_ids of the logits predicting response token t
     resp_ids: Tensor  # [B, T] response tokens (0 on padding)
     resp_mask: Tensor  # [B, T] 1 on response tokens
+    shared: SharedPrompts | None = None  # set when rollouts repeat a prompt (see SharedPrompts)
 
     @classmethod
-    def pack(cls, prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> MicroBatch:
+    def pack(cls, prompts: list[list[int]], responses: list[list[int]], pad_id: int, *,
+             share_prompts: bool = False) -> MicroBatch:
         B = len(prompts)
         L = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
         T = max(1, max(len(r) for r in responses))
@@ -48,7 +68,42 @@ class MicroBatch:
             pos[i, :len(r)] = torch.arange(len(p) - 1, n - 1)
             rid[i, :len(r)] = torch.tensor(r, dtype=torch.long)
             rmask[i, :len(r)] = 1
-        return cls(ids, att, pos, rid, rmask)
+        distinct = list(dict.fromkeys(tuple(p) for p in prompts))
+        # Worth it only when a prompt repeats; a one-token prompt would leave an all-padding prefix row,
+        # whose fully masked attention is undefined.
+        shared = None
+        if share_prompts and len(distinct) < B and min(len(p) for p in prompts) >= 2:
+            P = max(len(p) for p in distinct) - 1
+            S = T + 1
+            pre_ids = torch.full((len(distinct), P), pad_id, dtype=torch.long)
+            pre_mask = torch.zeros(len(distinct), P, dtype=torch.long)
+            for u, p in enumerate(distinct):
+                pre_ids[u, :len(p) - 1] = torch.tensor(p[:-1])
+                pre_mask[u, :len(p) - 1] = 1
+            index = {p: u for u, p in enumerate(distinct)}
+            suf_ids = torch.full((B, S), pad_id, dtype=torch.long)
+            suf_mask = torch.zeros(B, S, dtype=torch.long)
+            for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+                suf_ids[i, :len(r) + 1] = torch.tensor(p[-1:] + r)
+                suf_mask[i, :len(r) + 1] = 1
+            row = torch.tensor([index[tuple(p)] for p in prompts])
+            plen = torch.tensor([len(p) - 1 for p in prompts])
+            shared = SharedPrompts(pre_ids, pre_mask, row, suf_ids, suf_mask, plen[:, None] + torch.arange(S))
+        return cls(ids, att, pos, rid, rmask, shared)
+
+
+def _decode(base: torch.nn.Module, mb: MicroBatch) -> tuple[Tensor, Tensor]:
+    """Last hidden states [B, L', H] and, for each response token, its row in them [B, T]."""
+    sp = mb.shared
+    # Gradient checkpointing turns the KV cache off in training, so the prompts cannot be shared then.
+    if sp is None or (getattr(base, "gradient_checkpointing", False) and torch.is_grad_enabled()):
+        out = base(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
+        return out.last_hidden_state, mb.resp_pos
+    cache = base(input_ids=sp.prefix_ids, attention_mask=sp.prefix_mask, use_cache=True).past_key_values
+    cache.batch_select_indices(sp.row)  # [U, ...] -> [B, ...]; differentiable, gradients flow back to the prompts
+    out = base(input_ids=sp.suffix_ids, attention_mask=torch.cat([sp.prefix_mask[sp.row], sp.suffix_mask], 1),
+               position_ids=sp.suffix_pos, past_key_values=cache, use_cache=True)
+    return out.last_hidden_state, torch.arange(mb.resp_ids.shape[1]).expand_as(mb.resp_ids)
 
 
 def _logits(head: torch.nn.Module, h: Tensor, temperature: float) -> Tensor:
@@ -73,14 +128,14 @@ def response_logprobs(base: torch.nn.Module, head: torch.nn.Module, mb: MicroBat
     """log pi(response token) under the sampling temperature: [B, T] (0 on padding); with `entropy`
     (no gradient) also the per-token entropy [B, T].
 
-    The decoder runs on the packed sequences; the vocab projection runs only on response positions,
+    The decoder runs on the packed sequences (each distinct prompt once, see SharedPrompts); the vocab
+    projection runs only on response positions,
     `chunk` tokens at a time (prompt positions would each cost a [V] projection for nothing), and in
     training each chunk's logits are recomputed in backward rather than stored.
     """
-    out = base(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
-    h = out.last_hidden_state  # [B, L, H]
+    h, resp_pos = _decode(base, mb)  # [B, L, H]
     rows, cols = mb.resp_mask.nonzero(as_tuple=True)
-    hr = h[rows, mb.resp_pos[rows, cols]]  # [N, H], N = response tokens
+    hr = h[rows, resp_pos[rows, cols]]  # [N, H], N = response tokens
     targets = mb.resp_ids[rows, cols]
     # Under ZeRO-3 every call of the head all-gathers its weight, a collective: all ranks must make the same
     # number of calls, so the chunk count is agreed on, and a rank with fewer (or no) tokens projects one

@@ -201,6 +201,7 @@ def train(cfg: Config) -> Path:
     for step in tqdm(range(start, t.total_steps + 1), desc="steps", disable=rank != 0, initial=start - 1,
                      total=t.total_steps):
         timings: dict[str, float] = {}
+        step_tic = time.perf_counter()
         # --- 1. prompts: the same global draw on every rank, each rank takes its contiguous shard ----
         batch = sampler.next(r.prompts_per_step)
         mine = list(range(rank * prompts_per_rank, (rank + 1) * prompts_per_rank))
@@ -234,24 +235,31 @@ def train(cfg: Config) -> Path:
         # --- 3. old log-probs (and entropy, engine/trainer mismatch) ------------------------------
         tic = time.perf_counter()
         mbs = [MicroBatch.pack([x.prompt_ids for x in rollouts[i:i + t.micro_batch_size]],
-                               [x.response_ids for x in rollouts[i:i + t.micro_batch_size]], pad_id)
+                               [x.response_ids for x in rollouts[i:i + t.micro_batch_size]], pad_id,
+                               share_prompts=t.share_prompts)
                for i in range(0, len(rollouts), t.micro_batch_size)]
+        eng_logps = []
         for i, mb in enumerate(mbs):
             mb.resp_mask[~keep[i * t.micro_batch_size:(i + 1) * t.micro_batch_size]] = 0
+            eng = torch.zeros(mb.resp_mask.shape)
+            for b, x in enumerate(rollouts[i * t.micro_batch_size:(i + 1) * t.micro_batch_size]):
+                eng[b, :len(x.logprobs)] = torch.tensor(x.logprobs)
+            eng_logps.append(eng)
         old_logps, ref_logps, entropy_sum, kl_ref_sum, mismatch = [], [], 0.0, 0.0, []
         with torch.no_grad():
             for i, mb in enumerate(mbs):
-                lp, ent = actor.engine(mb, r.temperature, entropy=True)
+                m = mb.resp_mask.bool()
+                if r.use_engine_logprobs:  # no trainer pass: old = engine; mismatch comes from the first update
+                    lp = eng_logps[i]
+                    entropy_sum -= float(lp[m].sum())
+                else:
+                    lp, ent = actor.engine(mb, r.temperature, entropy=True)
+                    mismatch.append((lp - eng_logps[i])[m])
+                    entropy_sum += float(ent[m].sum())
+                old_logps.append(lp)
                 if a.kl_coef > 0:
                     ref_logps.append(actor.ref_engine(mb, r.temperature)[0])
                     kl_ref_sum += float(kl_penalty(lp, ref_logps[-1], mb.resp_mask, StepNorm(1.0, 1.0)))
-                eng = torch.zeros_like(lp)
-                for b, x in enumerate(rollouts[i * t.micro_batch_size:(i + 1) * t.micro_batch_size]):
-                    eng[b, :len(x.logprobs)] = torch.tensor(x.logprobs)
-                m = mb.resp_mask.bool()
-                mismatch.append((lp - eng)[m])
-                entropy_sum += float(ent[m].sum())
-                old_logps.append(eng if r.use_engine_logprobs else lp)
         timings["old_logprob"] = time.perf_counter() - tic
 
         # --- 4. updates: epochs x mini-batches, each an optimizer step over micro-batches ----------
@@ -260,7 +268,7 @@ def train(cfg: Config) -> Path:
         grad_norms: list[float] = []
         mbs_per_mini = mini_per_rank // t.micro_batch_size
         actor.engine.train()
-        for _epoch in range(t.ppo_epochs):
+        for epoch in range(t.ppo_epochs):
             for m0 in range(0, len(mbs), mbs_per_mini):
                 idx = range(m0, m0 + mbs_per_mini)
                 tokens = torch.tensor([sum(float(mbs[i].resp_mask.sum()) for i in idx),
@@ -271,6 +279,8 @@ def train(cfg: Config) -> Path:
                 for i in idx:
                     sl = slice(i * t.micro_batch_size, (i + 1) * t.micro_batch_size)
                     logp, _ = actor.engine(mbs[i], r.temperature)
+                    if r.use_engine_logprobs and epoch == 0 and m0 == 0:  # still the weights that sampled
+                        mismatch.append((logp.detach() - old_logps[i])[mbs[i].resp_mask.bool()])
                     loss, st = policy_loss(logp, old_logps[i], mbs[i].resp_mask, ga.adv[sl], ga.c[sl], ga.k[sl],
                                            a.eps_lo, eps_hi[sl], norm, is_level=a.is_level, clip_rule=a.clip,
                                            loss_agg=a.loss_agg)
@@ -301,6 +311,8 @@ def train(cfg: Config) -> Path:
             metrics = step_metrics(parts, a.is_level, grad_norm, lr)
             if parent and step == start:
                 metrics["branch/parent_step"] = parent["step"]
+            # Everything the step cost on rank 0 (phases + packing, metric gathering), before validation/saving.
+            metrics["time/step_wall_s"] = time.perf_counter() - step_tic
             tracker.log(step, metrics)
             if t.log_rollouts:
                 tracker.log_rollouts([rec for p in parts for rec in p["records"]])

@@ -1,0 +1,50 @@
+"""What several bench scripts share: run a command while sampling its memory, and summarise repetitions.
+
+Timings on shared 2-core machines are noisy, so every figure is a ratio of two things measured in the same
+run, alternating, with the median over repetitions.
+"""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import threading
+import time
+
+import psutil
+
+
+def run_sampled(cmd: list[str], *, env: dict | None = None, cwd: str | None = None,
+                interval_s: float = 0.1) -> tuple[str, float]:
+    """Run `cmd` to completion; return its stdout and the peak memory of its whole process tree in GiB
+    (children included: gapo's reward workers count against gapo). Fails loudly with its stderr tail.
+
+    Memory is the sum of PSS (proportional set size), not RSS: forked workers share the parent's pages
+    copy-on-write, and summing their RSS would count those pages once per process."""
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peak = 0
+    done = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        root = psutil.Process(proc.pid)
+        while not done.is_set():
+            try:
+                total = sum(p.memory_full_info().pss for p in [root, *root.children(recursive=True)])
+            except psutil.Error:  # a child exited between listing and reading: take the next sample
+                total = 0
+            peak = max(peak, total)
+            time.sleep(interval_s)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    out, err = proc.communicate()
+    done.set()
+    sampler.join()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{err[-3000:]}")
+    return out, peak / 2**30
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)

@@ -1,0 +1,129 @@
+"""End to end against TRL's GRPOTrainer: the same RL work, step time and peak memory, side by side.
+
+    make bench-env && .venv/bin/python bench/e2e_vs_trl.py [--reps 2] [--steps 4] [--gapo KEY=VALUE ...]
+
+Identical work on both sides: SmolLM2-135M-Instruct in fp32 on the CPU, the same 8 arithmetic prompts
+every step (so both sides see exactly the same prompts), k = 8 rollouts each, at most 64 new tokens,
+temperature 1, GSPO loss (sequence IS, eps 3e-3, token mean), no KL, the same learning rate, two optimizer
+steps (32 rollouts, micro-batches of 8) per generation batch. gapo runs as `gapo-train` (vLLM + DeepSpeed
+ZeRO-3, one rank) in .venv; TRL (bench/trl_side.py) in .bench-venv, which `make bench-env` builds with the
+same torch and transformers. The two alternate, `--reps` times each; a step is one generation batch
+(gapo: one step; TRL: two optimizer steps), the first step of every run is warm-up and left out, and the
+median over the rest is reported. Peak memory is the sampled PSS of each run's whole process tree.
+Figures are printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from _util import median, run_sampled  # noqa: E402
+
+from gapo.data import arithmetic_problems, build_prompt_ids  # noqa: E402
+from gapo.models import resolve_model  # noqa: E402
+
+INSTRUCTION = "Put the final answer in \\boxed{}."
+PHASES = ("generate", "reward", "old_logprob", "train", "weight_push")
+
+
+def setup_work(work: Path, steps: int, seed: int) -> dict:
+    from transformers import AutoTokenizer
+
+    model_dir = str(resolve_model("smollm2-135m"))
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    problems = arithmetic_problems(8, seed=7, levels=["add_small", "add_2digit", "sub_2digit", "mul_small"])
+    rows = [{"problem": p.question, "answer": p.gold,
+             "prompt_text": tok.decode(build_prompt_ids(tok, p, INSTRUCTION))} for p in problems]
+    (work / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    setup = {"model_dir": model_dir, "problems": rows, "prompts": 8, "group_size": 8, "max_new_tokens": 64,
+             "lr": 2e-5, "eps": 3e-3, "optimizer_steps_per_batch": 2, "micro_batch_size": 8, "steps": steps,
+             "seed": seed}
+    (work / "setup.json").write_text(json.dumps(setup, indent=1))
+    return setup
+
+
+def gapo_config(work: Path, setup: dict, run: str, overrides: list[str]) -> Path:
+    cfg = {
+        "model": {"path": setup["model_dir"], "dtype": "float32"},
+        "data": {"train": str(work / "prompts.jsonl"), "instruction": INSTRUCTION, "max_prompt_tokens": 128},
+        "rollout": {"engine": "vllm", "group_size": setup["group_size"], "prompts_per_step": setup["prompts"],
+                    "temperature": 1.0, "max_new_tokens": setup["max_new_tokens"]},
+        "reward": {"math_last_number_fallback": True},
+        "algorithm": {"name": "gspo", "eps_lo": setup["eps"], "eps_hi": setup["eps"]},
+        "trainer": {"output_dir": str(work / run), "total_steps": setup["steps"], "lr": setup["lr"],
+                    "grad_clip": 1.0, "micro_batch_size": setup["micro_batch_size"], "zero_stage": 3,
+                    "ppo_mini_batch_size": setup["prompts"] * setup["group_size"] // setup["optimizer_steps_per_batch"],
+                    "seed": setup["seed"]},
+        "tracking": {"wandb": False},
+    }
+    for item in overrides:  # dotted KEY=VALUE, as on gapo-train's command line
+        key, value = item.split("=", 1)
+        *path, leaf = key.split(".")
+        node = cfg
+        for part in path:
+            node = node.setdefault(part, {})
+        node[leaf] = yaml.safe_load(value)
+    path = work / f"{run}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--reps", type=int, default=2, help="runs of each side, alternating")
+    ap.add_argument("--steps", type=int, default=4, help="generation batches per run (the first is warm-up)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--gapo", nargs="*", default=[], metavar="KEY=VALUE", help="extra gapo config overrides")
+    ap.add_argument("--bench-python", default=str(ROOT / ".bench-venv" / "bin" / "python"))
+    args = ap.parse_args()
+    if not Path(args.bench_python).exists():
+        sys.exit(f"{args.bench_python} not found: build the TRL environment with `make bench-env`")
+    if args.steps < 2:
+        sys.exit("--steps must be >= 2 (the first step of every run is warm-up)")
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled"}
+    gapo_steps, trl_steps, gapo_mem, trl_mem = [], [], [], []
+    phases: dict[str, list[float]] = {p: [] for p in PHASES}
+    with tempfile.TemporaryDirectory(prefix="gapo-e2e-") as tmp:
+        work = Path(tmp)
+        setup = setup_work(work, args.steps, args.seed)
+        for rep in range(args.reps):
+            cfg = gapo_config(work, setup, f"gapo_{rep}", args.gapo)
+            _, mem = run_sampled([str(ROOT / ".venv" / "bin" / "gapo-train"), "--config", str(cfg)], env=env)
+            rows = [json.loads(x) for x in (work / f"gapo_{rep}" / "metrics.jsonl").read_text().splitlines()]
+            rows = [r for r in rows if "time/step_wall_s" in r][1:]
+            gapo_steps += [r["time/step_wall_s"] for r in rows]
+            for p in PHASES:
+                phases[p] += [r[f"time/{p}_s"] for r in rows]
+            gapo_mem.append(mem)
+            print(f"gapo run {rep}: steps {[round(r['time/step_wall_s'], 1) for r in rows]} s, "
+                  f"peak memory (PSS) {mem:.2f} GiB, reward {[round(r['reward/mean'], 2) for r in rows]}", flush=True)
+            out, mem = run_sampled([args.bench_python, str(ROOT / "bench" / "trl_side.py"), "--work", str(work)],
+                                   env=env)
+            batches = json.loads(out.strip().splitlines()[-1])["batch_s"][1:]
+            trl_steps += batches
+            trl_mem.append(mem)
+            print(f"TRL  run {rep}: steps {[round(b, 1) for b in batches]} s, peak memory (PSS) {mem:.2f} GiB",
+                  flush=True)
+    g, t = median(gapo_steps), median(trl_steps)
+    print("\n== end to end vs TRL GRPOTrainer (SmolLM2-135M fp32 CPU, 8 prompts x 8, 64 new tokens, "
+          "2 optimizer steps per batch) ==")
+    print("gapo step phases (median s): " + ", ".join(f"{p} {median(v):.2f}" for p, v in phases.items()))
+    print(f"median step time: gapo {g:.2f} s, TRL {t:.2f} s  (over {len(gapo_steps)} / {len(trl_steps)} steps)")
+    print(f"step time ratio gapo/TRL: {g / t:.3f}   (goal <= 0.5)")
+    print(f"peak memory (PSS): gapo {max(gapo_mem):.2f} GiB, TRL {max(trl_mem):.2f} GiB, "
+          f"ratio {max(gapo_mem) / max(trl_mem):.3f}   (goal <= 1)")
+
+
+if __name__ == "__main__":
+    main()
