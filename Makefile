@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: install test lint demo demo-compare clean
+.PHONY: install test lint demo demo-compare bench-env bench clean
 
 install: $(STAMP)
 
@@ -39,5 +39,27 @@ demo-compare: install
 	$(BIN)/gapo-train --config configs/demo_cpu.yaml trainer.output_dir=runs/demo_gspo algorithm.name=gspo algorithm.eps_hi=5e-3
 	$(BIN)/gapo-plot runs/demo_gapo runs/demo_gspo --out runs/demo_compare
 
+# TRL in an environment of its own (not a gapo dependency), for bench/e2e_vs_trl.py: the same torch and
+# transformers as .venv, so that both sides run the same model code.
+BENCH_VENV := .bench-venv
+bench-env: $(BENCH_VENV)/.installed
+
+$(BENCH_VENV)/.installed: $(STAMP)
+	test -x $(BENCH_VENV)/bin/python || $(PY) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/pip install -q --upgrade pip
+	$(BENCH_VENV)/bin/pip install -q torch==2.13.0
+	$(BENCH_VENV)/bin/pip install -q trl==1.16.0 psutil \
+		transformers==$$($(BIN)/python -c 'import transformers; print(transformers.__version__)')
+	touch $@
+
+# Every figure of docs/PERFORMANCE.md (about 45 minutes on 2 cores).
+bench: install bench-env
+	$(BIN)/python bench/e2e_vs_trl.py
+	$(BIN)/python bench/generation.py
+	$(BIN)/python bench/weight_push.py
+	$(BIN)/python bench/logprob_memory.py
+	$(BIN)/python bench/trainer_overhead.py
+	$(BIN)/python bench/reward_bench.py
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(BENCH_VENV) .pytest_cache .ruff_cache

@@ -35,6 +35,12 @@ from gapo.models import resolve_model  # noqa: E402
 
 INSTRUCTION = "Put the final answer in \\boxed{}."
 PHASES = ("generate", "reward", "old_logprob", "train", "weight_push")
+# gapo configurations to compare (overrides on top of the shared setup). The KV cache is preallocated in
+# vLLM; 0.5 GiB holds this batch's ~7k tokens several times over (SmolLM2: 46 KiB per token in fp32).
+VARIANTS = {
+    "default": ["rollout.kv_cache_gb=0.5"],
+    "engine_logprobs": ["rollout.kv_cache_gb=0.5", "rollout.use_engine_logprobs=true"],
+}
 
 
 def setup_work(work: Path, steps: int, seed: int) -> dict:
@@ -84,6 +90,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2, help="runs of each side, alternating")
     ap.add_argument("--steps", type=int, default=4, help="generation batches per run (the first is warm-up)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--gapo", nargs="*", default=[], metavar="KEY=VALUE", help="extra gapo config overrides")
     ap.add_argument("--bench-python", default=str(ROOT / ".bench-venv" / "bin" / "python"))
     args = ap.parse_args()
@@ -92,38 +99,40 @@ def main() -> None:
     if args.steps < 2:
         sys.exit("--steps must be >= 2 (the first step of every run is warm-up)")
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled"}
-    gapo_steps, trl_steps, gapo_mem, trl_mem = [], [], [], []
-    phases: dict[str, list[float]] = {p: [] for p in PHASES}
+    steps: dict[str, list[float]] = {v: [] for v in [*args.variants, "TRL"]}
+    mem: dict[str, list[float]] = {v: [] for v in steps}
+    phases: dict[str, dict[str, list[float]]] = {v: {p: [] for p in PHASES} for v in args.variants}
     with tempfile.TemporaryDirectory(prefix="gapo-e2e-") as tmp:
         work = Path(tmp)
         setup = setup_work(work, args.steps, args.seed)
         for rep in range(args.reps):
-            cfg = gapo_config(work, setup, f"gapo_{rep}", args.gapo)
-            _, mem = run_sampled([str(ROOT / ".venv" / "bin" / "gapo-train"), "--config", str(cfg)], env=env)
-            rows = [json.loads(x) for x in (work / f"gapo_{rep}" / "metrics.jsonl").read_text().splitlines()]
-            rows = [r for r in rows if "time/step_wall_s" in r][1:]
-            gapo_steps += [r["time/step_wall_s"] for r in rows]
-            for p in PHASES:
-                phases[p] += [r[f"time/{p}_s"] for r in rows]
-            gapo_mem.append(mem)
-            print(f"gapo run {rep}: steps {[round(r['time/step_wall_s'], 1) for r in rows]} s, "
-                  f"peak memory (PSS) {mem:.2f} GiB, reward {[round(r['reward/mean'], 2) for r in rows]}", flush=True)
-            out, mem = run_sampled([args.bench_python, str(ROOT / "bench" / "trl_side.py"), "--work", str(work)],
-                                   env=env)
+            for v in args.variants:
+                run = f"{v}_{rep}"
+                cfg = gapo_config(work, setup, run, VARIANTS[v] + args.gapo)
+                _, peak = run_sampled([str(ROOT / ".venv" / "bin" / "gapo-train"), "--config", str(cfg)], env=env)
+                rows = [json.loads(x) for x in (work / run / "metrics.jsonl").read_text().splitlines()]
+                rows = [r for r in rows if "time/step_wall_s" in r][1:]
+                steps[v] += [r["time/step_wall_s"] for r in rows]
+                for p in PHASES:
+                    phases[v][p] += [r[f"time/{p}_s"] for r in rows]
+                mem[v].append(peak)
+                print(f"gapo {v} run {rep}: steps {[round(r['time/step_wall_s'], 1) for r in rows]} s, "
+                      f"peak {peak:.2f} GiB, reward {[round(r['reward/mean'], 2) for r in rows]}", flush=True)
+            out, peak = run_sampled([args.bench_python, str(ROOT / "bench" / "trl_side.py"), "--work", str(work)],
+                                    env=env)
             batches = json.loads(out.strip().splitlines()[-1])["batch_s"][1:]
-            trl_steps += batches
-            trl_mem.append(mem)
-            print(f"TRL  run {rep}: steps {[round(b, 1) for b in batches]} s, peak memory (PSS) {mem:.2f} GiB",
-                  flush=True)
-    g, t = median(gapo_steps), median(trl_steps)
+            steps["TRL"] += batches
+            mem["TRL"].append(peak)
+            print(f"TRL run {rep}: steps {[round(b, 1) for b in batches]} s, peak {peak:.2f} GiB", flush=True)
     print("\n== end to end vs TRL GRPOTrainer (SmolLM2-135M fp32 CPU, 8 prompts x 8, 64 new tokens, "
           "2 optimizer steps per batch) ==")
-    print("gapo step phases (median s): " + ", ".join(f"{p} {median(v):.2f}" for p, v in phases.items()))
-    print(f"median step time: gapo {g:.2f} s, TRL {t:.2f} s  (over {len(gapo_steps)} / {len(trl_steps)} steps)")
-    print(f"step time ratio gapo/TRL: {g / t:.3f}   (goal <= 0.5)")
-    print(f"peak memory (PSS): gapo {max(gapo_mem):.2f} GiB, TRL {max(trl_mem):.2f} GiB, "
-          f"ratio {max(gapo_mem) / max(trl_mem):.3f}   (goal <= 1)")
-
+    t, t_mem = median(steps["TRL"]), max(mem["TRL"])
+    print(f"TRL: median step {t:.2f} s over {len(steps['TRL'])} steps, peak memory (PSS) {t_mem:.2f} GiB")
+    for v in args.variants:
+        g, g_mem = median(steps[v]), max(mem[v])
+        print(f"gapo {v}: median step {g:.2f} s over {len(steps[v])} steps, peak memory (PSS) {g_mem:.2f} GiB; "
+              + ", ".join(f"{p} {median(x):.2f}" for p, x in phases[v].items()))
+        print(f"  step time gapo/TRL {g / t:.3f} (goal <= 0.5), memory gapo/TRL {g_mem / t_mem:.3f} (goal <= 1)")
 
 if __name__ == "__main__":
     main()

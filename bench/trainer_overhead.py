@@ -5,8 +5,10 @@
 The same 64 rollouts (real SmolLM2 chat prompts, random responses of 8-64 tokens), split the same way
 (two optimizer steps of 32, micro-batches of 8), in one process. Bare: `model(...).logits` over the whole
 sequence, log-softmax, gather, a policy-gradient loss, backward, AdamW. gapo: `Actor` (DeepSpeed at the
-given ZeRO stage, one rank) with the GSPO loss, as the training loop calls it. The two alternate, `--reps`
-times; medians are reported. Figures are printed last.
+given ZeRO stage, one rank) with the GSPO loss, as the training loop calls it, on the plain layout (every
+rollout run whole: the overhead proper) and with shared prompts (each group's prompt run once: what
+`trainer.share_prompts`, on by default, saves). All alternate, `--reps` times; medians are reported.
+Figures are printed last.
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--zero-stages", type=int, nargs="+", default=[3, 0])
+    ap.add_argument("--no-shared", action="store_true", help="skip the shared-prompt runs")
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -90,6 +93,8 @@ def main() -> None:
     prompts, responses = make_rollouts(tok, bare.config.vocab_size)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     mbs = [MicroBatch.pack(prompts[i:i + MICRO], responses[i:i + MICRO], pad) for i in range(0, ROLLOUTS, MICRO)]
+    shared = [MicroBatch.pack(prompts[i:i + MICRO], responses[i:i + MICRO], pad, share_prompts=True)
+              for i in range(0, ROLLOUTS, MICRO)]
     tokens = sum(int(mb.attention_mask.sum()) for mb in mbs)
     adv = torch.randn(MICRO, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     actors = {}
@@ -99,7 +104,10 @@ def main() -> None:
                                    "ppo_mini_batch_size": MINI}})
         actors[stage] = Actor(cfg, model_dir, steps_per_rollout=2, micro_per_step=MINI // MICRO)
         actors[stage].engine.train()
-    times: dict[str, list[float]] = {"bare": [], **{f"zero{s}": [] for s in actors}}
+    runs = {"bare": None, **{f"ZeRO-{s}": (actors[s], mbs) for s in actors}}
+    if not args.no_shared:
+        runs.update({f"ZeRO-{s} shared prompts": (actors[s], shared) for s in actors})
+    times: dict[str, list[float]] = {name: [] for name in runs}
     print(f"torch threads {torch.get_num_threads()}, {tokens} tokens per step "
           f"({sum(int(mb.resp_mask.sum()) for mb in mbs)} response)", flush=True)
     for rep in range(args.reps + 1):  # the first round is warm-up
@@ -108,7 +116,7 @@ def main() -> None:
             if name == "bare":
                 bare_step(bare, opt, mbs, adv)
             else:
-                gapo_step(actors[int(name[4:])], mbs, adv)
+                gapo_step(*runs[name], adv)
             dt = time.perf_counter() - tic
             if rep:
                 times[name].append(dt)
@@ -116,10 +124,10 @@ def main() -> None:
     b = median(times["bare"])
     print("\n== trainer overhead (SmolLM2-135M fp32 CPU, one rank; 64 rollouts, 2 optimizer steps) ==")
     print(f"bare transformers fwd+bwd+AdamW: {b:.2f} s/step, {tokens / b:.0f} tokens/s")
-    for s in actors:
-        g = median(times[f"zero{s}"])
-        print(f"gapo Actor, ZeRO-{s}: {g:.2f} s/step, {tokens / g:.0f} tokens/s, overhead {g / b - 1:+.1%}"
-              "   (goal <= +10%)")
+    for name in list(runs)[1:]:
+        g = median(times[name])
+        print(f"gapo Actor, {name}: {g:.2f} s/step, {tokens / g:.0f} tokens/s, time vs bare {g / b - 1:+.1%}"
+              + ("" if "shared" in name else "   (goal <= +10%)"))
 
 
 if __name__ == "__main__":
