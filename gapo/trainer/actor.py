@@ -106,21 +106,50 @@ def _decode(base: torch.nn.Module, mb: MicroBatch) -> tuple[Tensor, Tensor]:
     return out.last_hidden_state, torch.arange(mb.resp_ids.shape[1]).expand_as(mb.resp_ids)
 
 
-def _logits(head: torch.nn.Module, h: Tensor, temperature: float) -> Tensor:
-    """Vocab logits at >= fp32 (bf16 log-softmax loses the small differences the IS ratio is made of)."""
-    logits = head(h)
-    return logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+# Rows of a chunk turned into probabilities at once: temporaries are [ROWS, V], never [chunk, V].
+ROWS = 64
+
+
+def _up(x: Tensor) -> Tensor:
+    """At least fp32 (a bf16 log-softmax loses the small differences the IS ratio is made of)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+class _TokenLogp(torch.autograd.Function):
+    """log softmax(logits / T)[target] for a chunk of rows, at >= fp32, holding nothing of size [N, V] but the
+    logits themselves: the normaliser is taken ROWS rows at a time, and backward turns the saved logits into
+    their own gradient in place. (log_softmax or logsumexp under autograd keep 2-4 more [N, V] tensors.)"""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, targets: Tensor, temperature: float) -> Tensor:
+        lse = torch.cat([torch.logsumexp(_up(b) / temperature, -1) for b in logits.split(ROWS)])  # [N]
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.temperature = temperature
+        return _up(logits.gather(-1, targets[:, None]).squeeze(-1)) / temperature - lse
+
+    @staticmethod
+    def backward(ctx, g: Tensor) -> tuple[Tensor, None, None]:
+        logits, targets, lse = ctx.saved_tensors  # the logits are this function's alone (recomputed, see below)
+        gt = g / ctx.temperature
+        # d/dx (x_target / T - logsumexp(x / T)) = (onehot(target) - softmax(x / T)) / T
+        for b, gb, lb in zip(logits.split(ROWS), gt.split(ROWS), lse.split(ROWS), strict=True):
+            b.copy_((_up(b) / ctx.temperature - lb[:, None]).exp_().mul_(-gb[:, None]))
+        return logits.scatter_add_(-1, targets[:, None], gt[:, None].to(logits.dtype)), None, None
 
 
 def _token_logp(head: torch.nn.Module, h: Tensor, targets: Tensor, temperature: float) -> Tensor:
-    logits = _logits(head, h, temperature)
-    return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, -1)
+    return _TokenLogp.apply(head(h), targets, temperature)
 
 
 @torch.no_grad()
 def _token_logp_entropy(head: torch.nn.Module, h: Tensor, targets: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
-    logp = torch.log_softmax(_logits(head, h, temperature), -1)
-    return logp.gather(-1, targets[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
+    logits = head(h)
+    lps, ents = [], []
+    for b, tb in zip(logits.split(ROWS), targets.split(ROWS), strict=True):
+        logp = torch.log_softmax(_up(b) / temperature, -1)
+        lps.append(logp.gather(-1, tb[:, None]).squeeze(-1))
+        ents.append(-(logp.exp() * logp).sum(-1))
+    return torch.cat(lps), torch.cat(ents)
 
 
 def response_logprobs(base: torch.nn.Module, head: torch.nn.Module, mb: MicroBatch, temperature: float, *,
