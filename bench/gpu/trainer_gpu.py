@@ -31,20 +31,12 @@ import functools
 import statistics
 import sys
 import time
-import types
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-try:
-    from gapo.trainer import actor
-except ModuleNotFoundError as e:
-    # The H200 image has no pydantic, which gapo.config imports; actor.py uses its Config only as a type hint.
-    if e.name != "pydantic":
-        raise
-    sys.modules["gapo.config"] = types.SimpleNamespace(Config=object)
-    from gapo.trainer import actor
+from gapo.trainer import actor  # noqa: E402  (needs torch only: no deepspeed, vllm or pydantic on the device)
 
 QWEN_1_5B = dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                  intermediate_size=8960, vocab_size=151_936)
@@ -68,14 +60,11 @@ def micro_batch(dev: str, vocab: int, batch: int, prompt: int, resp: int, seed: 
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(vocab, (prompt,), generator=g).tolist() for _ in range(batch)]
     responses = [torch.randint(vocab, (resp,), generator=g).tolist() for _ in range(batch)]
-    with torch.device(dev):
-        return actor.MicroBatch.pack(prompts, responses, pad_id=0)
+    return actor.MicroBatch.pack(prompts, responses, pad_id=0).to(torch.device(dev))
 
 
 def gapo_logp(model, mb: actor.MicroBatch) -> torch.Tensor:
-    # response_logprobs builds its [B, T] output with a device-less torch.zeros: give it the inputs' device.
-    with torch.device(mb.input_ids.device):
-        return actor.response_logprobs(model.get_decoder(), model.get_output_embeddings(), mb, 1.0)[0]
+    return actor.response_logprobs(model.get_decoder(), model.get_output_embeddings(), mb, 1.0)[0]
 
 
 def bare_logp(model, mb: actor.MicroBatch) -> torch.Tensor:

@@ -8,13 +8,15 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from gapo.config import Config
+if TYPE_CHECKING:  # a type hint only: the log-prob code runs where gapo's config stack (pydantic) is absent
+    from gapo.config import Config
 
 # Response tokens per vocab projection. The full [tokens, vocab] fp32 logits of a step never exist at
 # once: each chunk's logits are recomputed in backward (checkpoint) instead of being kept for it.
@@ -91,6 +93,14 @@ class MicroBatch:
             shared = SharedPrompts(pre_ids, pre_mask, row, suf_ids, suf_mask, plen[:, None] + torch.arange(S))
         return cls(ids, att, pos, rid, rmask, shared)
 
+    def to(self, device: torch.device) -> MicroBatch:
+        """Packed on the CPU, moved once to the trainer's device."""
+        sp = self.shared
+        return MicroBatch(*(x.to(device) for x in (self.input_ids, self.attention_mask, self.resp_pos,
+                                                    self.resp_ids, self.resp_mask)),
+                          shared=None if sp is None else SharedPrompts(*(x.to(device) for x in (
+                              sp.prefix_ids, sp.prefix_mask, sp.row, sp.suffix_ids, sp.suffix_mask, sp.suffix_pos))))
+
 
 def _decode(base: torch.nn.Module, mb: MicroBatch) -> tuple[Tensor, Tensor]:
     """Last hidden states [B, L', H] and, for each response token, its row in them [B, T]."""
@@ -103,7 +113,7 @@ def _decode(base: torch.nn.Module, mb: MicroBatch) -> tuple[Tensor, Tensor]:
     cache.batch_select_indices(sp.row)  # [U, ...] -> [B, ...]; differentiable, gradients flow back to the prompts
     out = base(input_ids=sp.suffix_ids, attention_mask=torch.cat([sp.prefix_mask[sp.row], sp.suffix_mask], 1),
                position_ids=sp.suffix_pos, past_key_values=cache, use_cache=True)
-    return out.last_hidden_state, torch.arange(mb.resp_ids.shape[1]).expand_as(mb.resp_ids)
+    return out.last_hidden_state, torch.arange(mb.resp_ids.shape[1], device=mb.resp_ids.device).expand_as(mb.resp_ids)
 
 
 # Rows of a chunk turned into probabilities at once: temporaries are [ROWS, V], never [chunk, V].
@@ -169,7 +179,7 @@ def response_logprobs(base: torch.nn.Module, head: torch.nn.Module, mb: MicroBat
     # Under ZeRO-3 every call of the head all-gathers its weight, a collective: all ranks must make the same
     # number of calls, so the chunk count is agreed on, and a rank with fewer (or no) tokens projects one
     # real hidden row and drops it (it also keeps the loss attached to the graph when a micro-batch is empty).
-    n_chunks = torch.tensor(max(1, math.ceil(hr.shape[0] / (chunk or LOGIT_CHUNK))))
+    n_chunks = torch.tensor(max(1, math.ceil(hr.shape[0] / (chunk or LOGIT_CHUNK))), device=hr.device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(n_chunks, op=dist.ReduceOp.MAX)
     logps, ents = [], []
@@ -189,7 +199,7 @@ def response_logprobs(base: torch.nn.Module, head: torch.nn.Module, mb: MicroBat
 
     def unflatten(parts: list[Tensor]) -> Tensor:
         flat = torch.cat(parts)
-        out = torch.zeros(mb.resp_mask.shape, dtype=flat.dtype).index_put((rows, cols), flat)
+        out = torch.zeros(mb.resp_mask.shape, dtype=flat.dtype, device=flat.device).index_put((rows, cols), flat)
         return out + 0 * flat.sum() if rows.numel() == 0 else out
 
     return unflatten(logps), (unflatten(ents) if entropy else None)
@@ -254,6 +264,7 @@ class Actor:
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=Policy(model), optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
         self.module = model  # the Hugging Face model inside the engine (its parameter names, save_pretrained)
+        self.device = self.engine.device  # micro-batches go here (cuda:LOCAL_RANK on GPU, cpu on CPU)
         self.ref_engine = None
         if cfg.algorithm.kl_coef > 0:
             # A frozen copy of the initial policy for the optional KL penalty, partitioned like the actor.

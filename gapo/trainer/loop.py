@@ -244,7 +244,8 @@ def train(cfg: Config) -> Path:
             eng = torch.zeros(mb.resp_mask.shape)
             for b, x in enumerate(rollouts[i * t.micro_batch_size:(i + 1) * t.micro_batch_size]):
                 eng[b, :len(x.logprobs)] = torch.tensor(x.logprobs)
-            eng_logps.append(eng)
+            eng_logps.append(eng.to(actor.device))
+        mbs = [mb.to(actor.device) for mb in mbs]
         old_logps, ref_logps, entropy_sum, kl_ref_sum, mismatch = [], [], 0.0, 0.0, []
         with torch.no_grad():
             for i, mb in enumerate(mbs):
@@ -254,7 +255,7 @@ def train(cfg: Config) -> Path:
                     entropy_sum -= float(lp[m].sum())
                 else:
                     lp, ent = actor.engine(mb, r.temperature, entropy=True)
-                    mismatch.append((lp - eng_logps[i])[m])
+                    mismatch.append((lp - eng_logps[i])[m].cpu())
                     entropy_sum += float(ent[m].sum())
                 old_logps.append(lp)
                 if a.kl_coef > 0:
@@ -272,7 +273,7 @@ def train(cfg: Config) -> Path:
             for m0 in range(0, len(mbs), mbs_per_mini):
                 idx = range(m0, m0 + mbs_per_mini)
                 tokens = torch.tensor([sum(float(mbs[i].resp_mask.sum()) for i in idx),
-                                       sum(float(mbs[i].resp_mask.any(-1).sum()) for i in idx)])
+                                       sum(float(mbs[i].resp_mask.any(-1).sum()) for i in idx)], device=actor.device)
                 dist.all_reduce(tokens)  # the normaliser is the whole optimizer step's, over all ranks
                 norm = StepNorm(tokens=max(float(tokens[0]), 1.0), seqs=max(float(tokens[1]), 1.0),
                                 constant=a.loss_constant)
@@ -280,7 +281,7 @@ def train(cfg: Config) -> Path:
                     sl = slice(i * t.micro_batch_size, (i + 1) * t.micro_batch_size)
                     logp, _ = actor.engine(mbs[i], r.temperature)
                     if r.use_engine_logprobs and epoch == 0 and m0 == 0:  # still the weights that sampled
-                        mismatch.append((logp.detach() - old_logps[i])[mbs[i].resp_mask.bool()])
+                        mismatch.append((logp.detach() - old_logps[i])[mbs[i].resp_mask.bool()].cpu())
                     loss, st = policy_loss(logp, old_logps[i], mbs[i].resp_mask, ga.adv[sl], ga.c[sl], ga.k[sl],
                                            a.eps_lo, eps_hi[sl], norm, is_level=a.is_level, clip_rule=a.clip,
                                            loss_agg=a.loss_agg)

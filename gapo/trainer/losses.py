@@ -152,7 +152,7 @@ def policy_loss(logp: Tensor, old_logp: Tensor, mask: Tensor, adv: Tensor, c: Te
     hi = torch.as_tensor(eps_hi, dtype=rho.dtype, device=rho.device)
     hi = 1.0 + (hi[:, None] if hi.ndim == 1 else hi)
     lo = 1.0 - eps_lo
-    a = adv.to(rho.dtype)[:, None]
+    a = adv.to(rho.device, rho.dtype)[:, None]
     if clip_rule == "cispo":
         weight = torch.minimum(torch.clamp(rho, min=lo), hi).detach()
         per_tok = -a * weight * logp
@@ -175,10 +175,11 @@ def policy_loss(logp: Tensor, old_logp: Tensor, mask: Tensor, adv: Tensor, c: Te
     with torch.no_grad():
         d = (old_logp - logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
         k3 = (torch.exp(d) - 1 - d) * mask  # KL(old || new) estimator, >= 0
-        stats = RolloutStats(seq_log_ratio=seq_log_ratio.detach().float(), adv=adv.detach().float(),
-                             c=c.long(), k=k.long(), n_tokens=n_tok.detach().float(),
-                             clip_hi_tokens=(clip_hi * mask).sum(-1).float(),
-                             clip_lo_tokens=(clip_lo * mask).sum(-1).float(), kl_sum=k3.sum(-1).float())
+        # On the CPU, whatever device the loss ran on: stats are gathered across ranks as Python objects.
+        stats = RolloutStats(seq_log_ratio=seq_log_ratio.detach().float().cpu(), adv=adv.detach().float().cpu(),
+                             c=c.long().cpu(), k=k.long().cpu(), n_tokens=n_tok.detach().float().cpu(),
+                             clip_hi_tokens=(clip_hi * mask).sum(-1).float().cpu(),
+                             clip_lo_tokens=(clip_lo * mask).sum(-1).float().cpu(), kl_sum=k3.sum(-1).float().cpu())
     return loss, stats
 
 
