@@ -88,7 +88,7 @@ def gapo_config(work: Path, setup: dict, run: str, overrides: list[str]) -> Path
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=2, help="runs of each side, alternating")
-    ap.add_argument("--steps", type=int, default=4, help="generation batches per run (the first is warm-up)")
+    ap.add_argument("--steps", type=int, default=3, help="generation batches per run (the first is warm-up)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--gapo", nargs="*", default=[], metavar="KEY=VALUE", help="extra gapo config overrides")

@@ -178,7 +178,7 @@ class TrainerConfig(_Section):
     # Run each distinct prompt of a micro-batch once and its rollouts on its shared KV cache (the k rollouts
     # of a group repeat their prompt). Same result to rounding; off with gradient checkpointing in training.
     share_prompts: bool = True
-    zero_stage: Literal[0, 1, 2, 3] = 3
+    zero_stage: Literal[0, 1, 2, 3] = 3  # with one rank, DeepSpeed runs at stage 0 (nothing to partition)
     seed: int = 0
     # Continue from a checkpoint (a run directory -> its latest, or a checkpoint directory); `--resume` sets it.
     # With a different algorithm.* this is the paper's intervention: a new run linked to its parent.

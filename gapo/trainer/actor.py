@@ -5,6 +5,7 @@ One code path for CPU (gloo) and GPU (NCCL); ZeRO stage 0/2/3 from the config.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ from torch.utils.checkpoint import checkpoint
 
 if TYPE_CHECKING:  # a type hint only: the log-prob code runs where gapo's config stack (pydantic) is absent
     from gapo.config import Config
+
+log = logging.getLogger("gapo.actor")
 
 # Response tokens per vocab projection. The full [tokens, vocab] fp32 logits of a step never exist at
 # once: each chunk's logits are recomputed in backward (checkpoint) instead of being kept for it.
@@ -232,18 +235,25 @@ class Actor:
         self.cfg = cfg
         self.world = dist.get_world_size()
         bf16 = cfg.model.dtype == "bfloat16"
+        # ZeRO partitions weights, gradients and optimizer state across data-parallel ranks; with one rank there
+        # is nothing to partition, and stage 3 there only adds its gather/release hooks and flat copies:
+        # +10 s per demo step and +2.3 GiB on the CPU (docs/PERFORMANCE.md). One rank runs stage 0.
+        self.zero_stage = t.zero_stage if self.world > 1 else 0
+        if self.zero_stage != t.zero_stage:
+            log.info("trainer.zero_stage=%d with one rank: running DeepSpeed at stage 0 (nothing to partition)",
+                     t.zero_stage)
         ds_config = {
             "train_micro_batch_size_per_gpu": t.micro_batch_size,
             "gradient_accumulation_steps": micro_per_step,
             "train_batch_size": t.micro_batch_size * micro_per_step * self.world,
             "gradient_clipping": t.grad_clip,
             "bf16": {"enabled": bf16},
-            "zero_optimization": {"stage": t.zero_stage, "stage3_param_persistence_threshold": 0},
+            "zero_optimization": {"stage": self.zero_stage, "stage3_param_persistence_threshold": 0},
             "wall_clock_breakdown": False,
         }
         # While this object lives, from_pretrained runs under zero.Init: ZeRO-3 partitions weights as they
         # load. It is dropped right after, or every later from_pretrained in the process would be partitioned.
-        hf_ds = HfDeepSpeedConfig(ds_config) if t.zero_stage == 3 else None
+        hf_ds = HfDeepSpeedConfig(ds_config) if self.zero_stage == 3 else None
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if bf16 else torch.float32)
         del hf_ds
         if cfg.model.gradient_checkpointing:
@@ -264,16 +274,17 @@ class Actor:
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=Policy(model), optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
         self.module = model  # the Hugging Face model inside the engine (its parameter names, save_pretrained)
+        self._stage0_norm: float | None = None
         self.device = self.engine.device  # micro-batches go here (cuda:LOCAL_RANK on GPU, cpu on CPU)
         self.ref_engine = None
         if cfg.algorithm.kl_coef > 0:
             # A frozen copy of the initial policy for the optional KL penalty, partitioned like the actor.
-            hf_ds = HfDeepSpeedConfig(ds_config) if t.zero_stage == 3 else None
+            hf_ds = HfDeepSpeedConfig(ds_config) if self.zero_stage == 3 else None
             ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if bf16 else torch.float32)
             del hf_ds
             # Without an optimizer DeepSpeed allows only stage 3 (partitioned) or 0 (a full copy per rank).
             ref_config = {**ds_config, "zero_optimization": {**ds_config["zero_optimization"],
-                                                             "stage": 3 if t.zero_stage == 3 else 0}}
+                                                             "stage": 3 if self.zero_stage == 3 else 0}}
             self.ref_engine, *_ = deepspeed.initialize(model=Policy(ref.eval().requires_grad_(False)),
                                                        config=ref_config)
 
@@ -281,10 +292,16 @@ class Actor:
         """Our loss is already this micro-batch's exact share of the whole step (step-global normaliser), so
         undo DeepSpeed's division by the accumulation steps and its averaging over data-parallel ranks."""
         self.engine.backward(loss * self.world, scale_wrt_gas=False)
+        if self.zero_stage == 0 and self.engine.is_gradient_accumulation_boundary():
+            # Without ZeRO, DeepSpeed clips but does not report the norm: take it here, where the gradients
+            # are complete (all-reduced at the boundary's backward) and not yet clipped.
+            self._stage0_norm = float(torch.nn.utils.get_total_norm(
+                [p.grad for p in self.module.parameters() if p.grad is not None]))
         self.engine.step()
 
     def grad_norm(self) -> float:
-        g = self.engine.get_global_grad_norm()
+        """The last optimizer step's gradient norm, before clipping."""
+        g = self._stage0_norm if self.zero_stage == 0 else self.engine.get_global_grad_norm()
         return float(g) if g is not None else float("nan")
 
     def lr(self) -> float:
@@ -319,6 +336,6 @@ class Actor:
         for bucket in buckets:
             unique = list({id(p): p for _, p in bucket}.values())
             with deepspeed.zero.GatheredParameters(unique, modifier_rank=None,
-                                                   enabled=self.cfg.trainer.zero_stage == 3):
+                                                   enabled=self.zero_stage == 3):
                 for name, p in bucket:
                     yield name, p.data

@@ -85,7 +85,7 @@ def save(actor, tokenizer, cfg: Config, state: TrainerState, run_dir: Path) -> P
     torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
                tmp / f"rng_rank{rank}.pt")
     # Collective under ZeRO-3 (full tensors on rank 0 only); keys lose the Policy wrapper's "lm." prefix.
-    full = actor.engine._zero3_consolidated_16bit_state_dict() if cfg.trainer.zero_stage == 3 \
+    full = actor.engine._zero3_consolidated_16bit_state_dict() if actor.zero_stage == 3 \
         else actor.engine.module.state_dict()
     state_dict = {k.removeprefix("lm."): v for k, v in (full or {}).items()}
     if rank == 0:
