@@ -1,11 +1,11 @@
 """Trainer overhead: tokens/s of gapo's update step vs a bare transformers forward + backward + AdamW.
 
-    .venv/bin/python bench/trainer_overhead.py [--reps 3] [--zero-stages 3 0]
+    .venv/bin/python bench/trainer_overhead.py [--reps 3]
 
 The same 64 rollouts (real SmolLM2 chat prompts, random responses of 8-64 tokens), split the same way
 (two optimizer steps of 32, micro-batches of 8), in one process. Bare: `model(...).logits` over the whole
-sequence, log-softmax, gather, a policy-gradient loss, backward, AdamW. gapo: `Actor` (DeepSpeed at the
-given ZeRO stage, one rank) with the GSPO loss, as the training loop calls it, on the plain layout (every
+sequence, log-softmax, gather, a policy-gradient loss, backward, AdamW. gapo: `Actor` (DeepSpeed, one rank,
+so stage 0: see Actor) with the GSPO loss, as the training loop calls it, on the plain layout (every
 rollout run whole: the overhead proper) and with shared prompts (each group's prompt run once: what
 `trainer.share_prompts`, on by default, saves). All alternate, `--reps` times; medians are reported.
 Figures are printed last.
@@ -79,7 +79,6 @@ def gapo_step(actor: Actor, mbs: list[MicroBatch], adv: torch.Tensor) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--zero-stages", type=int, nargs="+", default=[3, 0])
     ap.add_argument("--no-shared", action="store_true", help="skip the shared-prompt runs")
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -97,16 +96,13 @@ def main() -> None:
               for i in range(0, ROLLOUTS, MICRO)]
     tokens = sum(int(mb.attention_mask.sum()) for mb in mbs)
     adv = torch.randn(MICRO, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    actors = {}
-    for stage in args.zero_stages:
-        cfg = resolve({"algorithm": {"name": "gspo"},
-                       "trainer": {"lr": 1e-6, "zero_stage": stage, "micro_batch_size": MICRO,
-                                   "ppo_mini_batch_size": MINI}})
-        actors[stage] = Actor(cfg, model_dir, steps_per_rollout=2, micro_per_step=MINI // MICRO)
-        actors[stage].engine.train()
-    runs = {"bare": None, **{f"ZeRO-{s}": (actors[s], mbs) for s in actors}}
+    cfg = resolve({"algorithm": {"name": "gspo"},
+                   "trainer": {"lr": 1e-6, "micro_batch_size": MICRO, "ppo_mini_batch_size": MINI}})
+    actor = Actor(cfg, model_dir, steps_per_rollout=2, micro_per_step=MINI // MICRO)
+    actor.engine.train()
+    runs = {"bare": None, "gapo Actor": (actor, mbs)}
     if not args.no_shared:
-        runs.update({f"ZeRO-{s} shared prompts": (actors[s], shared) for s in actors})
+        runs["gapo Actor, shared prompts"] = (actor, shared)
     times: dict[str, list[float]] = {name: [] for name in runs}
     print(f"torch threads {torch.get_num_threads()}, {tokens} tokens per step "
           f"({sum(int(mb.resp_mask.sum()) for mb in mbs)} response)", flush=True)
@@ -126,7 +122,7 @@ def main() -> None:
     print(f"bare transformers fwd+bwd+AdamW: {b:.2f} s/step, {tokens / b:.0f} tokens/s")
     for name in list(runs)[1:]:
         g = median(times[name])
-        print(f"gapo Actor, {name}: {g:.2f} s/step, {tokens / g:.0f} tokens/s, time vs bare {g / b - 1:+.1%}"
+        print(f"{name}: {g:.2f} s/step, {tokens / g:.0f} tokens/s, time vs bare {g / b - 1:+.1%}"
               + ("" if "shared" in name else "   (goal <= +10%)"))
 
 
