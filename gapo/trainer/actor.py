@@ -142,7 +142,7 @@ class _TokenLogp(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g: Tensor) -> tuple[Tensor, None, None]:
-        logits, targets, lse = ctx.saved_tensors  # the logits are this function's alone (recomputed, see below)
+        logits, targets, lse = ctx.saved_tensors  # ours alone (recomputed by response_logprobs' checkpoint)
         gt = g / ctx.temperature
         # d/dx (x_target / T - logsumexp(x / T)) = (onehot(target) - softmax(x / T)) / T
         for b, gb, lb in zip(logits.split(ROWS), gt.split(ROWS), lse.split(ROWS), strict=True):
@@ -171,9 +171,9 @@ def response_logprobs(base: torch.nn.Module, head: torch.nn.Module, mb: MicroBat
     (no gradient) also the per-token entropy [B, T].
 
     The decoder runs on the packed sequences (each distinct prompt once, see SharedPrompts); the vocab
-    projection runs only on response positions,
-    `chunk` tokens at a time (prompt positions would each cost a [V] projection for nothing), and in
-    training each chunk's logits are recomputed in backward rather than stored.
+    projection runs only on response positions, `chunk` tokens at a time (prompt positions would each cost
+    a [V] projection for nothing), and in training each chunk's logits are recomputed in backward rather
+    than stored.
     """
     h, resp_pos = _decode(base, mb)  # [B, L, H]
     rows, cols = mb.resp_mask.nonzero(as_tuple=True)
