@@ -59,7 +59,7 @@ def setup_work(work: Path, steps: int, seed: int) -> dict:
     return setup
 
 
-def gapo_config(work: Path, setup: dict, run: str, overrides: list[str]) -> Path:
+def gapo_config(work: Path, setup: dict, run: str) -> Path:
     cfg = {
         "model": {"path": setup["model_dir"], "dtype": "float32"},
         "data": {"train": str(work / "prompts.jsonl"), "instruction": INSTRUCTION, "max_prompt_tokens": 128},
@@ -73,13 +73,6 @@ def gapo_config(work: Path, setup: dict, run: str, overrides: list[str]) -> Path
                     "seed": setup["seed"]},
         "tracking": {"wandb": False},
     }
-    for item in overrides:  # dotted KEY=VALUE, as on gapo-train's command line
-        key, value = item.split("=", 1)
-        *path, leaf = key.split(".")
-        node = cfg
-        for part in path:
-            node = node.setdefault(part, {})
-        node[leaf] = yaml.safe_load(value)
     path = work / f"{run}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -108,8 +101,9 @@ def main() -> None:
         for rep in range(args.reps):
             for v in args.variants:
                 run = f"{v}_{rep}"
-                cfg = gapo_config(work, setup, run, VARIANTS[v] + args.gapo)
-                _, peak = run_sampled([str(ROOT / ".venv" / "bin" / "gapo-train"), "--config", str(cfg)], env=env)
+                cfg = gapo_config(work, setup, run)  # the variant's dotted overrides go on gapo-train's command line
+                _, peak = run_sampled([str(ROOT / ".venv" / "bin" / "gapo-train"), "--config", str(cfg),
+                                       *VARIANTS[v], *args.gapo], env=env)
                 rows = [json.loads(x) for x in (work / run / "metrics.jsonl").read_text().splitlines()]
                 rows = [r for r in rows if "time/step_wall_s" in r][1:]
                 steps[v] += [r["time/step_wall_s"] for r in rows]

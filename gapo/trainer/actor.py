@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -98,11 +98,11 @@ class MicroBatch:
 
     def to(self, device: torch.device) -> MicroBatch:
         """Packed on the CPU, moved once to the trainer's device."""
-        sp = self.shared
-        return MicroBatch(*(x.to(device) for x in (self.input_ids, self.attention_mask, self.resp_pos,
-                                                    self.resp_ids, self.resp_mask)),
-                          shared=None if sp is None else SharedPrompts(*(x.to(device) for x in (
-                              sp.prefix_ids, sp.prefix_mask, sp.row, sp.suffix_ids, sp.suffix_mask, sp.suffix_pos))))
+        def moved(record):  # every tensor field of a dataclass record
+            return {f.name: getattr(record, f.name).to(device) for f in fields(record) if f.name != "shared"}
+
+        return replace(self, **moved(self),
+                       shared=None if self.shared is None else replace(self.shared, **moved(self.shared)))
 
 
 def _decode(base: torch.nn.Module, mb: MicroBatch) -> tuple[Tensor, Tensor]:
