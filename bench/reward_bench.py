@@ -27,7 +27,7 @@ from gapo.reward.sandbox import namespaces_available  # noqa: E402
 
 
 def _default_data_dir() -> Path:
-    return Path(os.environ.get("GAPO_SHARED_DATA") or Path(__file__).resolve().parents[1].parent / "shared" / "data")
+    return Path(os.environ.get("GAPO_DATA_DIR") or Path(__file__).resolve().parents[1].parent / "shared" / "data")
 
 
 def bench_math(items: list[dict], workers: int, passes: int) -> tuple[float, int]:

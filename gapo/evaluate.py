@@ -23,7 +23,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from gapo.config import ConfigError, RewardConfig
-from gapo.data import Problem, arithmetic_problems, build_prompt_ids, load_problems
+from gapo.data import Problem, arithmetic_problems, build_prompt_ids, load_problems, stop_token_ids
 from gapo.metrics import coverage, pass_at_k
 from gapo.reward.registry import score_groups
 from gapo.rollout.types import SamplingConfig
@@ -60,9 +60,11 @@ BENCHMARKS = {
 
 
 def load_benchmark(spec: str, limit: int | None = None, exclude: set[str] | None = None,
-                   levels: list[str] | None = None) -> tuple[str, str, list[Problem]]:
+                   levels: list[str] | None = None, *, data_dir: str | Path | None = None
+                   ) -> tuple[str, str, list[Problem]]:
     """(name, kind, problems) for `name`, `name=path` or `arithmetic` (problems of `levels`, held out from
-    `exclude`, by default from the default training set)."""
+    `exclude`, by default from the default training set). A named benchmark is read from `data_dir`
+    (default: $GAPO_DATA_DIR) when its file is there, else from Hugging Face."""
     name, _, path = spec.partition("=")
     known = BENCHMARKS.get(name)
     kind = known.kind if known else "math"
@@ -74,17 +76,30 @@ def load_benchmark(spec: str, limit: int | None = None, exclude: set[str] | None
     elif path:
         problems = load_problems(path, **keys)
     elif known:
-        local = Path(os.environ.get("GAPO_DATA_DIR", "")) / known.file
-        if os.environ.get("GAPO_DATA_DIR") and local.is_file():
-            problems = load_problems(str(local), **keys)
-        elif known.hf_id:
-            problems = load_problems(known.hf_id, split=known.split, **keys)
-        else:
-            raise ConfigError(f"benchmark {name!r} has no Hugging Face id: give a file with {name}=PATH")
+        problems = _load_named(name, known, data_dir or os.environ.get("GAPO_DATA_DIR"), keys)
     else:
         raise ConfigError(f"unknown benchmark {name!r}: use one of {', '.join([*BENCHMARKS, 'arithmetic'])} "
                           "or name=path/to/file.jsonl")
     return name, kind, problems[:limit] if limit else problems
+
+
+def _load_named(name: str, known: Benchmark, data_dir: str | Path | None, keys: dict) -> list[Problem]:
+    """The local file under `data_dir` if it is there, else the Hugging Face dataset. When neither works the
+    error names both places tried and both ways to provide the data, because "dataset not loadable" alone
+    does not tell an offline user that a local file would have done."""
+    local = Path(data_dir).expanduser() / known.file if data_dir else None
+    if local is not None and local.is_file():
+        return load_problems(str(local), **keys)
+    tried_local = f"no file {local}" if local else f"GAPO_DATA_DIR is unset (so no local {known.file})"
+    provide = (f"set GAPO_DATA_DIR to a directory holding {known.file}, or pass the file as {name}=PATH "
+               "(JSON, JSONL or parquet)")
+    if not known.hf_id:
+        raise ConfigError(f"benchmark {name!r}: {tried_local}, and it has no Hugging Face dataset; {provide}")
+    try:
+        return load_problems(known.hf_id, split=known.split, **keys)
+    except ConfigError as err:
+        raise ConfigError(f"benchmark {name!r}: {tried_local}, and loading the Hugging Face dataset "
+                          f"{known.hf_id!r} (split {known.split!r}) failed: {err}; {provide}") from None
 
 
 @dataclass
@@ -105,7 +120,8 @@ def evaluate(engine, tokenizer, benches: list[tuple[str, str, list[Problem]]], *
              progress: bool = True) -> list[BenchResult]:
     """Every rank scores its share of each benchmark (problem i goes to rank i % world); results are gathered."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    sampling = SamplingConfig(n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)
+    sampling = SamplingConfig(n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
+                              stop_token_ids=stop_token_ids(tokenizer))
     out = []
     for name, kind, problems in tqdm(benches, desc="eval", disable=not progress or rank != 0):
         mine = list(range(rank, len(problems), world))

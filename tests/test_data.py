@@ -1,7 +1,6 @@
 """Loaders, the embedded arithmetic set, prompt building and the resumable sampler."""
 
 import json
-import os
 from pathlib import Path
 
 import pyarrow as pa
@@ -12,7 +11,6 @@ from gapo.config import ConfigError
 from gapo.data import Sampler, arithmetic_problems, load_problems, tokenize_problems
 from gapo.models import resolve_model
 
-SHARED = Path(os.environ.get("GAPO_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 RECORDS = [{"question": "1+1?", "solution": "2", "id": "a"}, {"question": "2+3?", "solution": 5, "id": "b"}]
 
 
@@ -30,12 +28,12 @@ def test_file_formats_with_field_mapping(tmp_path, fmt):
     assert [(p.uid, p.question, p.gold) for p in probs] == [("a", "1+1?", golds[0]), ("b", "2+3?", golds[1])]
 
 
-def test_shared_benchmarks_keep_gold_as_stored():
-    amc = load_problems(str(SHARED / "math" / "amc.json"))
+def test_shared_benchmarks_keep_gold_as_stored(shared_data):
+    amc = load_problems(str(shared_data("math/amc.json")))
     assert len(amc) == 83 and isinstance(amc[0].gold, float)
-    olymp = load_problems(str(SHARED / "math" / "olympiad_bench.json"))
+    olymp = load_problems(str(shared_data("math/olympiad_bench.json")))
     assert isinstance(olymp[0].gold, list) and "is_multiple_answer" in olymp[0].meta
-    code = load_problems(str(SHARED / "code" / "leetcode.json"), answer_key="tests")
+    code = load_problems(str(shared_data("code/leetcode.json")), answer_key="tests")
     assert len(code) == 200 and "functional" in code[0].gold  # the tests field as stored
 
 

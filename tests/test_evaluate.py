@@ -13,7 +13,6 @@ from gapo.evaluate import BenchResult, resolve_eval_model, summary
 from gapo.metrics import pass_at_k
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("GAPO_SHARED_DATA", ROOT.parent / "shared" / "data"))
 BIN = Path(sys.executable).parent
 ENV = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "WANDB_SILENT": "true"}
 
@@ -47,10 +46,11 @@ def test_model_path_resolution(tmp_path):
     assert resolve_eval_model(str(hf)) == hf
 
 
-def test_gapo_eval_end_to_end_on_two_benchmark_files(tmp_path, small_sums):
+def test_gapo_eval_end_to_end_on_two_benchmark_files(tmp_path, small_sums, shared_data):
+    math500 = shared_data("math/math500.json")  # first: a skip must come before the engine starts
     out = tmp_path / "eval"
     r = subprocess.run([str(BIN / "gapo-eval"), "--model", "tiny-qwen2", "--benchmarks",
-                        f"math500={SHARED / 'math' / 'math500.json'},sums={small_sums}", "--limit", "8", "--n", "8",
+                        f"math500={math500},sums={small_sums}", "--limit", "8", "--n", "8",
                         "--temperature", "1.0", "--max-new-tokens", "24", "--dtype", "float32", "--out", str(out)],
                        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
@@ -70,6 +70,59 @@ def test_gapo_eval_rejects_unknown_benchmark():
     r = subprocess.run([str(BIN / "gapo-eval"), "--model", "tiny-qwen2", "--benchmarks", "chess"], cwd=ROOT,
                        env=ENV, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "unknown benchmark 'chess'" in r.stderr
+
+
+@pytest.fixture
+def hub_fails(monkeypatch):
+    """The Hugging Face load fails at once, as it does offline; calls are counted."""
+    import datasets
+
+    calls = []
+
+    def load_dataset(name, split=None, **kwargs):
+        calls.append(name)
+        raise ConnectionError("no network in this test")
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    return calls
+
+
+def test_named_benchmark_nowhere_names_the_file_the_dataset_and_the_fixes(tmp_path, monkeypatch, hub_fails, capsys):
+    from gapo.config import ConfigError
+    from gapo.evaluate import load_benchmark, main
+
+    monkeypatch.setenv("GAPO_DATA_DIR", str(tmp_path))
+    with pytest.raises(ConfigError) as err:
+        load_benchmark("aime24")
+    msg = str(err.value)
+    for part in (f"no file {tmp_path / 'math' / 'aime24.json'}", "'HuggingFaceH4/aime_2024'", "ConnectionError",
+                 "set GAPO_DATA_DIR to a directory holding math/aime24.json", "aime24=PATH"):
+        assert part in msg, (part, msg)
+    assert hub_fails == ["HuggingFaceH4/aime_2024"]
+
+    monkeypatch.delenv("GAPO_DATA_DIR")
+    with pytest.raises(ConfigError, match=r"GAPO_DATA_DIR is unset \(so no local math/aime24.json\)"):
+        load_benchmark("aime24")
+    with pytest.raises(ConfigError, match="'codeforces': GAPO_DATA_DIR is unset .* no Hugging Face dataset; .*"
+                                          "codeforces=PATH"):
+        load_benchmark("codeforces")
+
+    model = tmp_path / "model"  # gapo-eval reports it before building anything
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    assert main(["--model", str(model), "--benchmarks", "aime24"]) == 2
+    assert "gapo-eval: benchmark 'aime24': GAPO_DATA_DIR is unset" in capsys.readouterr().err
+
+
+def test_named_benchmark_from_gapo_data_dir_needs_no_hub(tmp_path, monkeypatch, hub_fails):
+    from gapo.evaluate import load_benchmark
+
+    (tmp_path / "math").mkdir()
+    (tmp_path / "math" / "amc.json").write_text(json.dumps([{"problem": "1+1?", "answer": 2.0}]))
+    monkeypatch.setenv("GAPO_DATA_DIR", str(tmp_path))
+    name, kind, probs = load_benchmark("amc")
+    assert (name, kind, [(p.question, p.gold) for p in probs]) == ("amc", "math", [("1+1?", 2.0)])
+    assert load_benchmark("amc", data_dir=tmp_path)[2] == probs and hub_fails == []
 
 
 @pytest.fixture(scope="module")

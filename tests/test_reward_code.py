@@ -16,9 +16,7 @@ from __future__ import annotations
 import ast
 import json
 import logging
-import os
 import time
-from pathlib import Path
 
 import pytest
 
@@ -33,17 +31,6 @@ from gapo.reward.code import (
     values_match,
 )
 from gapo.reward.sandbox import CallCase, CheckCase, StdioCase
-
-
-def _data_dir() -> Path:
-    path = Path(os.environ.get("GAPO_SHARED_DATA") or Path(__file__).resolve().parents[1].parent / "shared" / "data")
-    if not (path / "code").is_dir():
-        pytest.fail(f"shared benchmark data not found at {path}; set GAPO_SHARED_DATA")
-    return path
-
-
-def _load(name: str) -> list[dict]:
-    return json.loads((_data_dir() / "code" / name).read_text())
 
 
 def _fenced(program: str, tag: str = "python") -> str:
@@ -157,9 +144,9 @@ def test_bad_responses_raise_naming_the_item(runner: CodeRunner) -> None:
         runner.score(["x"], [])
 
 
-def test_every_codeforces_and_code_contests_item_parses() -> None:
-    for name, count_key in (("codeforces.json", None), ("code_contests.json", "inputs")):
-        for i, item in enumerate(_load(name)):
+def test_every_codeforces_and_code_contests_item_parses(shared_records) -> None:
+    for name, count_key in (("code/codeforces.json", None), ("code/code_contests.json", "inputs")):
+        for i, item in enumerate(shared_records(name)):
             suite = parse_tests(item["tests"])
             stored = item["tests"] if count_key is None else item["tests"][count_key]
             assert len(suite.cases) == len(stored) >= 1, (name, i)
@@ -305,8 +292,8 @@ def _break_solution(source: str) -> str:
     return ast.unparse(ast.fix_missing_locations(tree))
 
 
-def test_leetcode_reference_solutions_pass_and_broken_ones_fail() -> None:
-    items = _load("leetcode.json")
+def test_leetcode_reference_solutions_pass_and_broken_ones_fail(shared_records) -> None:
+    items = shared_records("code/leetcode.json")
     with CodeRunner(num_workers=2, timeout_s=10.0) as r:
         good = [row[0] for row in r.score_batch([([_fenced(x["solutions"])], x["tests"]) for x in items])]
         broken = [row[0] for row in r.score_batch([([_fenced(_break_solution(x["solutions"]))], x["tests"])
@@ -345,13 +332,13 @@ for _ in range(t):
 """
 
 
-def test_code_contests_and_codeforces_items_with_short_solutions(runner: CodeRunner) -> None:
-    contests = _load("code_contests.json")[140]
+def test_code_contests_and_codeforces_items_with_short_solutions(runner: CodeRunner, shared_records) -> None:
+    contests = shared_records("code/code_contests.json")[140]
     assert "squares" in contests["problem"] and len(contests["tests"]["inputs"]) == 138
     results = runner.score([_fenced(CUBES.format(off="")), _fenced(CUBES.format(off=" + 1"))], contests["tests"])
     assert [r.status for r in results] == ["correct", "wrong"]
     assert results[0].detail == "passed 138/138 tests"
-    codeforces = _load("codeforces.json")[0]
+    codeforces = shared_records("code/codeforces.json")[0]
     results = runner.score([_fenced(MIN_MAX.format(pair="min(x, y), max(x, y)")),
                             _fenced(MIN_MAX.format(pair="max(x, y), min(x, y)"))],
                            json.dumps(codeforces["tests"]))

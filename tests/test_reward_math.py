@@ -15,14 +15,12 @@ Real-data results (math-verify 0.9.0), asserted below:
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -36,17 +34,6 @@ from gapo.reward.math import (
     score_math,
 )
 from gapo.reward.types import RewardResult, status_counts
-
-
-def _data_dir() -> Path:
-    path = Path(os.environ.get("GAPO_SHARED_DATA") or Path(__file__).resolve().parents[1].parent / "shared" / "data")
-    if not (path / "math").is_dir():
-        pytest.fail(f"shared benchmark data not found at {path}; set GAPO_SHARED_DATA")
-    return path
-
-
-def _load(name: str) -> list[dict]:
-    return json.loads((_data_dir() / "math" / name).read_text())
 
 
 @pytest.fixture(scope="module")
@@ -300,8 +287,8 @@ _TEMPLATES = (
 )
 
 
-def test_math500_gold_answers_verify_through_every_extraction_path(verifier: MathVerifier) -> None:
-    items = _load("math500.json")
+def test_math500_gold_answers_verify_through_every_extraction_path(verifier: MathVerifier, shared_records) -> None:
+    items = shared_records("math/math500.json")
     groups = [([_TEMPLATES[i % len(_TEMPLATES)].format(x["answer"])], x["answer"]) for i, x in enumerate(items)]
     results = [row[0] for row in verifier.score_batch(groups)]
     failures = [(x["answer"], r) for x, r in zip(items, results, strict=True) if r.status != "correct"]
@@ -311,8 +298,8 @@ def test_math500_gold_answers_verify_through_every_extraction_path(verifier: Mat
     assert not [f for f in failures if f[1].status in ("timeout", "error")], failures
 
 
-def test_aime24_reference_solutions_verify(verifier: MathVerifier) -> None:
-    items = _load("aime24.json")
+def test_aime24_reference_solutions_verify(verifier: MathVerifier, shared_records) -> None:
+    items = shared_records("math/aime24.json")
     with_solution = [x for x in items if x.get("solution")]
     results = [row[0] for row in verifier.score_batch([([x["solution"]], x["answer"]) for x in with_solution])]
     failures = {i: r for i, r in enumerate(results) if r.status != "correct"}
@@ -320,12 +307,12 @@ def test_aime24_reference_solutions_verify(verifier: MathVerifier) -> None:
     # The exceptions (see module docstring) must be solutions without a stated answer, never a wrong verdict.
     assert set(failures) <= {1, 11, 13, 14}, failures
     assert all(r.status == "no_answer" for r in failures.values())
-    math500 = len(_load("math500.json"))
+    math500 = len(shared_records("math/math500.json"))
     assert (math500 + len(results) - len(failures)) / (math500 + len(results)) >= 0.99
 
 
-def test_math500_false_positive_rate(verifier: MathVerifier) -> None:
-    golds = [x["answer"] for x in _load("math500.json")]
+def test_math500_false_positive_rate(verifier: MathVerifier, shared_records) -> None:
+    golds = [x["answer"] for x in shared_records("math/math500.json")]
     groups = []
     for i, gold in enumerate(golds):
         j = (i + 1) % len(golds)
@@ -340,8 +327,8 @@ def test_math500_false_positive_rate(verifier: MathVerifier) -> None:
     assert all(gold.replace(" ", "") in {"5"} for gold, _ in positives), positives  # only 5 vs x=5
 
 
-def test_olympiad_bench_gold_formats_verify(verifier: MathVerifier) -> None:
-    items = _load("olympiad_bench.json")
+def test_olympiad_bench_gold_formats_verify(verifier: MathVerifier, shared_records) -> None:
+    items = shared_records("math/olympiad_bench.json")
     groups = [([_TEMPLATES[i % 2].format(x["answer"][0].replace("$", ""))], MathGold.from_record(x))
               for i, x in enumerate(items)]
     results = [row[0] for row in verifier.score_batch(groups)]

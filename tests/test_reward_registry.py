@@ -1,16 +1,12 @@
 """The loop's view of the rewarders: a step's groups scored in one batch, by dataset type."""
 
 import json
-import os
-from pathlib import Path
 
 import pytest
 
 from gapo.config import RewardConfig
 from gapo.data import Problem
 from gapo.reward.registry import score_groups, with_last_number
-
-SHARED = Path(os.environ.get("GAPO_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 
 
 def test_last_number_fallback_only_without_a_box():
@@ -29,8 +25,8 @@ def test_math_groups_use_record_metadata_and_fallback_switch():
     assert [[r.reward for r in g] for g in lenient] == [[1.0, 0.0], [1.0, 1.0]]
 
 
-def test_code_groups_run_in_the_sandbox():
-    item = json.loads((SHARED / "code" / "leetcode.json").read_text())[0]
+def test_code_groups_run_in_the_sandbox(shared_data):
+    item = json.loads(shared_data("code/leetcode.json").read_text())[0]
     prob = Problem("lc0", item["problem"], item["tests"])
     good = f"```python\n{item['solutions']}\n```"
     (res,) = score_groups("code", [[good, "```python\nprint(1)\n```"]], [prob], RewardConfig(code_timeout_s=10))

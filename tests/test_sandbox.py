@@ -31,7 +31,6 @@ from gapo.reward.sandbox import (
 
 LIMITS = Limits(wall_s=2.0, memory_mb=256)
 REPO = Path(__file__).resolve().parents[1]
-DATA = REPO.parent / "shared" / "data"
 LEET_TESTS = {"functional": "def check(candidate):\n    assert candidate([1, 2, 3]) == 6\n"
                             "    assert candidate([]) == 0\n\ncheck(Solution().total)"}
 GOOD_SOLUTION = "class Solution:\n    def total(self, nums: List[int]) -> int:\n        return sum(nums)\n"
@@ -196,7 +195,7 @@ def test_writes_outside_the_sandbox_leave_nothing(tmp_path: Path) -> None:
     assert f"denied {REPO / name}" in run.outcomes[0].stdout
 
 
-def test_no_secrets_in_the_environment_or_home(monkeypatch, tmp_path: Path) -> None:
+def test_no_secrets_in_the_environment_or_home(monkeypatch, tmp_path: Path, data_dirs: list[Path]) -> None:
     monkeypatch.setenv("GAPO_FAKE_SECRET", "hunter2")
     secret = tmp_path / "id_rsa"
     secret.write_text("PRIVATE KEY")
@@ -204,8 +203,8 @@ def test_no_secrets_in_the_environment_or_home(monkeypatch, tmp_path: Path) -> N
     program = f"""\
 import json, os
 report = {{"env": dict(os.environ), "home": os.path.expanduser("~")}}
-for path in ("/root/.ssh", os.path.expanduser("~/.ssh"), {str(secret)!r}, "/proc/1/environ", {str(DATA)!r},
-             {str(REPO / "tests")!r}):
+for path in ("/root/.ssh", os.path.expanduser("~/.ssh"), {str(secret)!r}, "/proc/1/environ",
+             *{[str(d) for d in data_dirs]!r}, {str(REPO / "tests")!r}):
     try:
         report[path] = os.listdir(path) if os.path.isdir(path) else open(path).read()
     except OSError as exc:
@@ -219,7 +218,8 @@ print(json.dumps(report))
     assert report["home"] == report["env"]["HOME"] == "/tmp/work"  # the private working dir
     assert report["/root/.ssh"] == 2 and report[str(secret)] == 2  # ENOENT: /root and /tmp are masked
     assert report["/proc/1/environ"] == 13  # EACCES: the harness's memory is not ours to read
-    assert report[str(DATA)] == 2 and report[str(REPO / "tests")] == 2  # expected outputs are out of sight
+    assert all(report[str(d)] == 2 for d in data_dirs)  # expected outputs (benchmark data) are out of sight
+    assert report[str(REPO / "tests")] == 2
 
 
 # --------------------------------------------------------------------------------------------------
