@@ -12,12 +12,15 @@ Any switch the user sets explicitly wins over the preset.
 from __future__ import annotations
 
 import copy
+import logging
 import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+log = logging.getLogger("gapo.config")
 
 # The configs/ folder of the checkout (the package is installed editable: `make install`).
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -32,38 +35,47 @@ class _Section(BaseModel):
 
 
 # --------------------------------------------------------------------------------------------------
-# Algorithm presets. Values from the GAPO paper (§4.1, Table 3) and the papers it compares with.
+# Algorithm presets. Values from the GAPO paper (§4.1, Tables 1-3) and the papers it compares with.
+#
+# A preset fixes the method (IS level, clip rule, std-normalisation, focal exponent, aggregation) and the
+# *shape* of its clip range: "sym" (1 - eps_lo, 1 + eps_lo), "asym" (1 - eps_lo, 1 + eps_hi) or
+# "adaptive" (eps_hi(c) from eps_lo to eps_hi_max, eq. 8). The widths themselves belong to the model, not
+# to the method (the paper uses 3e-3/5e-3 for Qwen's sequence IS, 7e-5/3e-4 for R1-Distill, 0.2/0.28 for
+# token IS everywhere), so they come from `algorithm.clip_widths[is_level]` of the config.
 # --------------------------------------------------------------------------------------------------
 PRESETS: dict[str, dict[str, Any]] = {
-    # GRPO (Shao et al. 2024): token IS, symmetric 0.2 clip, std-normalised advantages.
-    "grpo": dict(is_level="token", clip="fixed", eps_lo=0.2, eps_hi=0.2, eps_hi_max=0.2,
-                 std_normalize=True, focal_gamma=0.0, loss_agg="token_mean"),
+    # GRPO (Shao et al. 2024): token IS, symmetric clip, std-normalised advantages.
+    "grpo": dict(is_level="token", clip="fixed", shape="sym", std_normalize=True, focal_gamma=0.0,
+                 loss_agg="token_mean"),
     # Dr.GRPO (Liu et al. 2025): no std, constant normaliser; the paper's Table 3 row uses 0.2/0.28.
-    "dr_grpo": dict(is_level="token", clip="fixed", eps_lo=0.2, eps_hi=0.28, eps_hi_max=0.28,
-                    std_normalize=False, focal_gamma=0.0, loss_agg="seq_sum_constant"),
+    "dr_grpo": dict(is_level="token", clip="fixed", shape="asym", std_normalize=False, focal_gamma=0.0,
+                    loss_agg="seq_sum_constant"),
     # DAPO (Yu et al. 2025): clip-higher 0.2/0.28, token-mean over the batch.
-    "dapo": dict(is_level="token", clip="fixed", eps_lo=0.2, eps_hi=0.28, eps_hi_max=0.28,
-                 std_normalize=False, focal_gamma=0.0, loss_agg="token_mean"),
-    # GSPO (Zheng et al. 2025): sequence IS, symmetric 3e-3; set eps_hi=5e-3 for the asymmetric run.
-    "gspo": dict(is_level="sequence", clip="fixed", eps_lo=3e-3, eps_hi=3e-3, eps_hi_max=3e-3,
-                 std_normalize=False, focal_gamma=0.0, loss_agg="token_mean"),
+    "dapo": dict(is_level="token", clip="fixed", shape="asym", std_normalize=False, focal_gamma=0.0,
+                 loss_agg="token_mean"),
+    # GSPO (Zheng et al. 2025): sequence IS, symmetric; `algorithm.eps_hi=5e-3` gives the asymmetric run.
+    "gspo": dict(is_level="sequence", clip="fixed", shape="sym", std_normalize=False, focal_gamma=0.0,
+                 loss_agg="token_mean"),
     # F-GRPO / F-GSPO (Plyusov et al. 2026): focal advantage shaping (1 - c/k)^gamma on top.
-    "f_grpo": dict(is_level="token", clip="fixed", eps_lo=0.2, eps_hi=0.2, eps_hi_max=0.2,
-                   std_normalize=True, focal_gamma=1.0, loss_agg="token_mean"),
-    "f_gspo": dict(is_level="sequence", clip="fixed", eps_lo=3e-3, eps_hi=5e-3, eps_hi_max=5e-3,
-                   std_normalize=False, focal_gamma=1.0, loss_agg="token_mean"),
+    "f_grpo": dict(is_level="token", clip="fixed", shape="sym", std_normalize=True, focal_gamma=1.0,
+                   loss_agg="token_mean"),
+    "f_gspo": dict(is_level="sequence", clip="fixed", shape="asym", std_normalize=False, focal_gamma=1.0,
+                   loss_agg="token_mean"),
     # GAPO (this paper, eq. 8 + 11): sequence IS, adaptive upper bound from eps_lo to eps_hi_max.
-    "gapo": dict(is_level="sequence", clip="adaptive", eps_lo=3e-3, eps_hi=5e-3, eps_hi_max=5e-3,
-                 std_normalize=False, focal_gamma=0.0, loss_agg="token_mean"),
-    "gapo_token": dict(is_level="token", clip="adaptive", eps_lo=0.2, eps_hi=0.28, eps_hi_max=0.28,
-                       std_normalize=False, focal_gamma=0.0, loss_agg="token_mean"),
+    "gapo": dict(is_level="sequence", clip="adaptive", shape="adaptive", std_normalize=False, focal_gamma=0.0,
+                 loss_agg="token_mean"),
+    "gapo_token": dict(is_level="token", clip="adaptive", shape="adaptive", std_normalize=False, focal_gamma=0.0,
+                       loss_agg="token_mean"),
     # CISPO (MiniMax-M1, Chen et al. 2025a): the IS *weight* is clipped and detached, every token keeps
     # its gradient. Convention chosen here: weight = sg(clip(rho, 1 - eps_lo, 1 + eps_hi)) with
     # eps_lo = 1.0 (lower bound 0, i.e. no lower clip, as MiniMax-M1) and eps_hi = 4.0 (ScaleRL's
     # eps_max). MiniMax-M1 tunes only the upper bound and does not publish it; TRL and ScaleRL differ.
-    "cispo": dict(is_level="token", clip="cispo", eps_lo=1.0, eps_hi=4.0, eps_hi_max=4.0,
-                  std_normalize=False, focal_gamma=0.0, loss_agg="token_mean"),
+    # These are weight bounds, not clip widths, so clip_widths does not apply.
+    "cispo": dict(is_level="token", clip="cispo", eps_lo=1.0, eps_hi=4.0, eps_hi_max=4.0, std_normalize=False,
+                  focal_gamma=0.0, loss_agg="token_mean"),
 }
+# The paper's widths (eps_lo, eps_hi_max) per IS level for Qwen2.5-Math-1.5B and Llama-3.2-3B (§4.1).
+DEFAULT_CLIP_WIDTHS = {"sequence": (3e-3, 5e-3), "token": (0.2, 0.28)}
 PRESET_SWITCHES = ("is_level", "clip", "eps_lo", "eps_hi", "eps_hi_max", "std_normalize",
                    "focal_gamma", "loss_agg")
 
@@ -88,6 +100,9 @@ class AlgorithmConfig(_Section):
     correct_threshold: float = 1.0
     # Reference-model KL (k3) coefficient; the paper uses none.
     kl_coef: float = Field(0.0, ge=0.0)
+    # (eps_lo, eps_hi_max) per IS level for this model: where presets take their widths (see PRESETS).
+    clip_widths: dict[Literal["token", "sequence"], tuple[float, float]] = Field(
+        default_factory=lambda: dict(DEFAULT_CLIP_WIDTHS))
 
     @model_validator(mode="after")
     def _bounds(self) -> AlgorithmConfig:
@@ -185,6 +200,9 @@ class TrainerConfig(_Section):
     resume_from: str | None = None
     # Write every rollout (text, reward, c, advantage, IS ratio and clip decision per update) to rollouts.jsonl.
     log_rollouts: bool = False
+    # An optimizer step whose gradient norm is not finite is skipped (weights, optimizer state untouched);
+    # this many in a row stop the run with a message.
+    max_skipped_steps: int = Field(3, ge=1)
 
 
 class EvalConfig(_Section):
@@ -289,27 +307,45 @@ def find_config_file(name: str | Path) -> Path:
 
 
 def resolve(raw: dict | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Merge raw YAML data, dotted overrides and the algorithm preset; validate everything."""
+    """Merge raw YAML data (a config file), dotted overrides (the command line) and the algorithm preset.
+
+    Precedence: command line > file > preset. One exception makes baseline commands mean what they say:
+    when the command line names another algorithm than the file (`--config qwen_math algorithm.name=grpo`),
+    the file's method switches (PRESET_SWITCHES) are dropped, because they described the file's method;
+    the file's model-level settings (`clip_widths`, `correct_threshold`, `kl_coef`, `loss_constant`) stay.
+    """
     tree = copy.deepcopy(raw) if raw else {}
     if not isinstance(tree, dict):
         raise ConfigError(f"configuration must be a mapping of sections, got {type(tree).__name__}")
+    file_algo = tree.get("algorithm") or {}
+    if not isinstance(file_algo, dict):
+        raise ConfigError(f"algorithm: expected a mapping, got {file_algo!r}")
+    cli_algo: dict[str, Any] = {}
     for item in overrides:
         path, value = _parse_override(item)
         _set_path(tree, path, value)
+        if path[0] == "algorithm" and len(path) == 2:
+            cli_algo[path[1]] = value
     algo = tree.get("algorithm") or {}
     if not isinstance(algo, dict):
         raise ConfigError(f"algorithm: expected a mapping, got {algo!r}")
     name = algo.get("name", "gapo")
     if name not in PRESETS:
         raise ConfigError(f"algorithm.name: unknown algorithm {name!r}; allowed: {', '.join(PRESETS)}")
-    preset = PRESETS[name]
+    if "name" in cli_algo and name != file_algo.get("name", "gapo"):
+        dropped = sorted(k for k in PRESET_SWITCHES if k in file_algo and k not in cli_algo)
+        if dropped:
+            log.info("algorithm.name=%s on the command line: not using the config file's %s (they set up %s)",
+                     name, ", ".join(f"algorithm.{k}" for k in dropped), file_algo.get("name", "gapo"))
+        algo = {k: v for k, v in algo.items() if k not in dropped}
+    tree["algorithm"] = {**_preset_switches(name, algo.get("clip_widths")),
+                         **{k: v for k, v in algo.items() if v is not None}}
+    merged = tree["algorithm"]
     # An explicit eps_hi with a fixed-clip preset also moves eps_hi_max (they name one bound there).
-    merged = {**preset, **{k: v for k, v in algo.items() if v is not None}}
     if "eps_hi" in algo and "eps_hi_max" not in algo and merged["clip"] != "adaptive":
         merged["eps_hi_max"] = merged["eps_hi"]
     if "eps_hi_max" in algo and "eps_hi" not in algo and merged["clip"] == "adaptive":
         merged["eps_hi"] = merged["eps_hi_max"]
-    tree["algorithm"] = merged
     try:
         cfg = Config.model_validate(tree)
     except ValidationError as err:
@@ -317,6 +353,21 @@ def resolve(raw: dict | None = None, overrides: list[str] | tuple[str, ...] = ()
     if cfg.algorithm.loss_constant is None:
         cfg.algorithm.loss_constant = float(cfg.rollout.max_new_tokens)
     return cfg
+
+
+def _preset_switches(name: str, clip_widths: Any) -> dict[str, Any]:
+    """The preset's switches, its clip bounds taken from the config's widths for the preset's IS level."""
+    preset = dict(PRESETS[name])
+    shape = preset.pop("shape", None)
+    if shape is None:  # CISPO: weight bounds of its own
+        return preset
+    widths = {**DEFAULT_CLIP_WIDTHS, **(clip_widths if isinstance(clip_widths, dict) else {})}
+    pair = widths.get(preset["is_level"])
+    if not (isinstance(pair, list | tuple) and len(pair) == 2 and all(isinstance(x, int | float) for x in pair)):
+        raise ConfigError(f"algorithm.clip_widths.{preset['is_level']}: expected [eps_lo, eps_hi_max], got {pair!r}")
+    lo, hi = float(pair[0]), float(pair[1])
+    upper = lo if shape == "sym" else hi
+    return {**preset, "eps_lo": lo, "eps_hi": upper, "eps_hi_max": upper}
 
 
 def _merge(base: dict, top: dict) -> dict:

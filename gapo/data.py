@@ -141,6 +141,29 @@ def build_prompt_ids(tokenizer, problem: Problem, instruction: str) -> list[int]
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
+def stop_token_ids(tokenizer) -> tuple[int, ...]:
+    """The tokenizer's EOS and the chat template's end-of-turn token (<|im_end|>, <|eot_id|>, ...).
+
+    The end of turn is read off the template itself: a rendered assistant reply is followed by it. A base
+    model's generation config often stops only at <|endoftext|>, and a response that runs past its turn
+    puts text after the answer that a last-\\boxed{} extraction would read.
+    """
+    ids = {tokenizer.eos_token_id} - {None}
+    marker = "gapo-end-of-turn-probe"
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "1 + 1?"},
+                                              {"role": "assistant", "content": marker}], tokenize=False)
+    except (ValueError, TypeError, AttributeError) as err:  # no template, or one that renders no assistant turn
+        log.warning("no end-of-turn token from the chat template (%s); stopping at EOS only", err)
+        return tuple(sorted(ids))
+    if marker in text:
+        after = tokenizer(text.split(marker, 1)[1], add_special_tokens=False)["input_ids"]
+        special = set(tokenizer.all_special_ids) | set(tokenizer.get_added_vocab().values())
+        if after and after[0] in special:
+            ids.add(after[0])
+    return tuple(sorted(ids))
+
+
 def tokenize_problems(tokenizer, problems: list[Problem], instruction: str,
                       max_prompt_tokens: int) -> tuple[list[Problem], list[list[int]]]:
     """Chat-templated prompt ids; prompts over `max_prompt_tokens` are dropped and counted in the log."""

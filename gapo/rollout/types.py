@@ -23,3 +23,6 @@ class SamplingConfig:
     temperature: float
     top_p: float
     max_new_tokens: int
+    # Tokens that end a response besides the generation config's EOS: the chat template's end of turn
+    # (gapo.data.stop_token_ids). A base model whose EOS is <|endoftext|> would otherwise write past <|im_end|>.
+    stop_token_ids: tuple[int, ...] = ()

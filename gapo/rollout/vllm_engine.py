@@ -51,8 +51,10 @@ class VLLMEngine:
         the global RNG still sample different rollouts, and a resumed run samples the same ones."""
         from vllm import SamplingParams
 
+        # vLLM adds the generation config's EOS ids itself; a stop token stays in token_ids, not in the text.
         params = [SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
-                                 max_tokens=sampling.max_new_tokens, seed=s, logprobs=0) for s in seeds]
+                                 max_tokens=sampling.max_new_tokens, seed=s, logprobs=0,
+                                 stop_token_ids=list(sampling.stop_token_ids)) for s in seeds]
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         groups = []
         for prompt, out in zip(prompts, outputs, strict=True):

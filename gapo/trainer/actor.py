@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+import types
 from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING
@@ -106,13 +107,20 @@ class MicroBatch:
 
 
 def _decode(base: torch.nn.Module, mb: MicroBatch) -> tuple[Tensor, Tensor]:
-    """Last hidden states [B, L', H] and, for each response token, its row in them [B, T]."""
+    """Last hidden states [B, L', H] and, for each response token, its row in them [B, T].
+
+    The path depends on the micro-batch alone (shared prompts or not, decided when it was packed), never on
+    the mode or on grad being enabled: the old-log-prob pass and the update must run the same computation,
+    or the first mini-batch's IS ratio is not 1 (in bf16 the two paths differ by far more than a GSPO bound).
+    """
     sp = mb.shared
-    # Gradient checkpointing turns the KV cache off in training, so the prompts cannot be shared then.
-    if sp is None or (getattr(base, "gradient_checkpointing", False) and torch.is_grad_enabled()):
+    if sp is None:
         out = base(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
         return out.last_hidden_state, mb.resp_pos
     cache = base(input_ids=sp.prefix_ids, attention_mask=sp.prefix_mask, use_cache=True).past_key_values
+    if cache is None:
+        raise RuntimeError("the model returned no KV cache for the shared prompts; pack micro-batches with "
+                           "share_prompts=False when gradient checkpointing is on (transformers drops the cache)")
     cache.batch_select_indices(sp.row)  # [U, ...] -> [B, ...]; differentiable, gradients flow back to the prompts
     out = base(input_ids=sp.suffix_ids, attention_mask=torch.cat([sp.prefix_mask[sp.row], sp.suffix_mask], 1),
                position_ids=sp.suffix_pos, past_key_values=cache, use_cache=True)
@@ -128,6 +136,13 @@ def _up(x: Tensor) -> Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
+def _logp_lse(logits: Tensor, targets: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+    """log softmax(logits / T)[target] and the normaliser logsumexp(logits / T), ROWS rows at a time.
+    The one formula for every log-prob the trainer takes (old-log-prob pass and update alike)."""
+    lse = torch.cat([torch.logsumexp(_up(b) / temperature, -1) for b in logits.split(ROWS)])  # [N]
+    return _up(logits.gather(-1, targets[:, None]).squeeze(-1)) / temperature - lse, lse
+
+
 class _TokenLogp(torch.autograd.Function):
     """log softmax(logits / T)[target] for a chunk of rows, at >= fp32, holding nothing of size [N, V] but the
     logits themselves: the normaliser is taken ROWS rows at a time, and backward turns the saved logits into
@@ -135,10 +150,10 @@ class _TokenLogp(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: Tensor, targets: Tensor, temperature: float) -> Tensor:
-        lse = torch.cat([torch.logsumexp(_up(b) / temperature, -1) for b in logits.split(ROWS)])  # [N]
+        logp, lse = _logp_lse(logits, targets, temperature)
         ctx.save_for_backward(logits, targets, lse)
         ctx.temperature = temperature
-        return _up(logits.gather(-1, targets[:, None]).squeeze(-1)) / temperature - lse
+        return logp
 
     @staticmethod
     def backward(ctx, g: Tensor) -> tuple[Tensor, None, None]:
@@ -157,12 +172,11 @@ def _token_logp(head: torch.nn.Module, h: Tensor, targets: Tensor, temperature: 
 @torch.no_grad()
 def _token_logp_entropy(head: torch.nn.Module, h: Tensor, targets: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
     logits = head(h)
-    lps, ents = [], []
-    for b, tb in zip(logits.split(ROWS), targets.split(ROWS), strict=True):
-        logp = torch.log_softmax(_up(b) / temperature, -1)
-        lps.append(logp.gather(-1, tb[:, None]).squeeze(-1))
-        ents.append(-(logp.exp() * logp).sum(-1))
-    return torch.cat(lps), torch.cat(ents)
+    logp, lse = _logp_lse(logits, targets, temperature)
+    # H = lse - E_p[x / T], p = softmax(x / T)
+    ents = [lb - (torch.softmax(_up(b) / temperature, -1) * (_up(b) / temperature)).sum(-1)
+            for b, lb in zip(logits.split(ROWS), lse.split(ROWS), strict=True)]
+    return logp, torch.cat(ents)
 
 
 def response_logprobs(base: torch.nn.Module, head: torch.nn.Module, mb: MicroBatch, temperature: float, *,
@@ -237,11 +251,13 @@ class Actor:
         bf16 = cfg.model.dtype == "bfloat16"
         # ZeRO partitions weights, gradients and optimizer state across data-parallel ranks; with one rank there
         # is nothing to partition, and stage 3 there only adds its gather/release hooks and flat copies:
-        # +10 s per demo step and +2.3 GiB on the CPU (docs/PERFORMANCE.md). One rank runs stage 0.
-        self.zero_stage = t.zero_stage if self.world > 1 else 0
+        # +10 s per demo step and +2.3 GiB on the CPU (docs/PERFORMANCE.md). One rank runs stage 0 in fp32, and
+        # stage 1 in bf16: DeepSpeed accumulates stage-0 bf16 gradients in bf16 and refuses fp32 accumulation
+        # there, while its stage-1 bf16 optimizer keeps fp32 gradients (and has nothing to partition either).
+        self.zero_stage = t.zero_stage if self.world > 1 else (1 if bf16 else 0)
         if self.zero_stage != t.zero_stage:
-            log.info("trainer.zero_stage=%d with one rank: running DeepSpeed at stage 0 (nothing to partition)",
-                     t.zero_stage)
+            log.info("trainer.zero_stage=%d with one rank: running DeepSpeed at stage %d (nothing to partition)",
+                     t.zero_stage, self.zero_stage)
         ds_config = {
             "train_micro_batch_size_per_gpu": t.micro_batch_size,
             "gradient_accumulation_steps": micro_per_step,
@@ -251,6 +267,10 @@ class Actor:
             "zero_optimization": {"stage": self.zero_stage, "stage3_param_persistence_threshold": 0},
             "wall_clock_breakdown": False,
         }
+        if bf16:
+            # Gradients of bf16 weights are summed over micro-batches and ranks in fp32: a step's token-mean
+            # loss over ~10^6 tokens at lr 1e-6 is made of terms that a bf16 sum (8 bits of mantissa) drops.
+            ds_config.update(data_types={"grad_accum_dtype": "fp32"}, communication_data_type="fp32")
         # While this object lives, from_pretrained runs under zero.Init: ZeRO-3 partitions weights as they
         # load. It is dropped right after, or every later from_pretrained in the process would be partitioned.
         hf_ds = HfDeepSpeedConfig(ds_config) if self.zero_stage == 3 else None
@@ -260,6 +280,12 @@ class Actor:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
         optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay)
+        # DeepSpeed's ZeRO and bf16 optimizers skip a step whose gradient norm is not finite; at stage 0 it
+        # would apply it. There the step is skipped here (before the scheduler wraps `step`), decided in
+        # backward() from the gradient norm, which is the same on every rank.
+        self._skip = False
+        optimizer.step = types.MethodType(
+            lambda opt, *args, **kwargs: None if self._skip else torch.optim.AdamW.step(opt, *args, **kwargs), optimizer)
         total = t.total_steps * steps_per_rollout
         warm = t.warmup_steps * steps_per_rollout
 
@@ -288,19 +314,26 @@ class Actor:
             self.ref_engine, *_ = deepspeed.initialize(model=Policy(ref.eval().requires_grad_(False)),
                                                        config=ref_config)
 
-    def backward(self, loss: Tensor) -> None:
+    def backward(self, loss: Tensor) -> bool | None:
         """Our loss is already this micro-batch's exact share of the whole step (step-global normaliser), so
-        undo DeepSpeed's division by the accumulation steps and its averaging over data-parallel ranks."""
+        undo DeepSpeed's division by the accumulation steps and its averaging over data-parallel ranks.
+
+        At an optimizer-step boundary, returns whether the step was applied: False when the gradient norm was
+        not finite (a NaN/inf loss gives one), in which case weights and optimizer state are untouched."""
         self.engine.backward(loss * self.world, scale_wrt_gas=False)
-        if self.zero_stage == 0 and self.engine.is_gradient_accumulation_boundary():
+        boundary = self.engine.is_gradient_accumulation_boundary()
+        if self.zero_stage == 0 and boundary:
             # Without ZeRO, DeepSpeed clips but does not report the norm: take it here, where the gradients
             # are complete (all-reduced at the boundary's backward) and not yet clipped.
             self._stage0_norm = float(torch.nn.utils.get_total_norm(
                 [p.grad for p in self.module.parameters() if p.grad is not None]))
+            self._skip = not math.isfinite(self._stage0_norm)
         self.engine.step()
+        self._skip = False
+        return math.isfinite(self.grad_norm()) if boundary else None
 
     def grad_norm(self) -> float:
-        """The last optimizer step's gradient norm, before clipping."""
+        """The last optimizer step's gradient norm, before clipping (inf or NaN for a skipped step)."""
         g = self._stage0_norm if self.zero_stage == 0 else self.engine.get_global_grad_norm()
         return float(g) if g is not None else float("nan")
 

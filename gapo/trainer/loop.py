@@ -20,12 +20,13 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch import Tensor
 from tqdm import tqdm
 
 from gapo.config import Config, ConfigError
-from gapo.data import Sampler, load_problems, tokenize_problems
+from gapo.data import Sampler, load_problems, stop_token_ids, tokenize_problems
 from gapo.evaluate import evaluate, load_benchmark, summary, write_results
-from gapo.models import resolve_model
+from gapo.models import check_context_budget, resolve_model
 from gapo.reward.registry import score_groups
 from gapo.rollout.types import Rollout, SamplingConfig
 from gapo.tracking import Tracker
@@ -43,6 +44,10 @@ from gapo.trainer.losses import (
 )
 
 log = logging.getLogger("gapo.train")
+
+
+class TrainingDiverged(RuntimeError):
+    """Too many optimizer steps in a row had a non-finite gradient: the run stops instead of idling."""
 
 
 def init_distributed() -> tuple[int, int]:
@@ -140,6 +145,7 @@ def train(cfg: Config) -> Path:
         model_dir = str(resolve_model(cfg.model.path))  # builds a built-in model once
     dist.barrier()
     model_dir = str(resolve_model(cfg.model.path))
+    check_context_budget(cfg, cfg.model.path)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -178,7 +184,10 @@ def train(cfg: Config) -> Path:
         tracker = Tracker(cfg, run_dir, wandb_id=state.wandb_id if state and not branched else None, parent=parent)
     wandb_id = gather(tracker.wandb_id if tracker else None)[0]
     sampling = SamplingConfig(n=r.group_size, temperature=r.temperature, top_p=r.top_p,
-                              max_new_tokens=r.max_new_tokens)
+                              max_new_tokens=r.max_new_tokens, stop_token_ids=stop_token_ids(tokenizer))
+    # Sharing prompts needs the KV cache, which transformers drops under gradient checkpointing in training;
+    # both passes over a micro-batch must take the same path (see actor._decode), so it is decided here.
+    share_prompts = t.share_prompts and not cfg.model.gradient_checkpointing
 
     def validate(step: int) -> None:
         """Same code path as gapo-eval; per-problem solve rates go to val/step_N.jsonl for coverage plots."""
@@ -197,6 +206,7 @@ def train(cfg: Config) -> Path:
     val_history: list[tuple[int, dict]] = []
     if benches and start == 1:
         validate(0)
+    skipped_in_a_row = 0
 
     for step in tqdm(range(start, t.total_steps + 1), desc="steps", disable=rank != 0, initial=start - 1,
                      total=t.total_steps):
@@ -236,7 +246,7 @@ def train(cfg: Config) -> Path:
         tic = time.perf_counter()
         mbs = [MicroBatch.pack([x.prompt_ids for x in rollouts[i:i + t.micro_batch_size]],
                                [x.response_ids for x in rollouts[i:i + t.micro_batch_size]], pad_id,
-                               share_prompts=t.share_prompts)
+                               share_prompts=share_prompts)
                for i in range(0, len(rollouts), t.micro_batch_size)]
         eng_logps = []
         for i, mb in enumerate(mbs):
@@ -247,6 +257,7 @@ def train(cfg: Config) -> Path:
             eng_logps.append(eng.to(actor.device))
         mbs = [mb.to(actor.device) for mb in mbs]
         old_logps, ref_logps, entropy_sum, kl_ref_sum, mismatch = [], [], 0.0, 0.0, []
+        actor.engine.train()  # one mode for both passes: the update must recompute exactly these old log-probs
         with torch.no_grad():
             for i, mb in enumerate(mbs):
                 m = mb.resp_mask.bool()
@@ -267,8 +278,9 @@ def train(cfg: Config) -> Path:
         tic = time.perf_counter()
         stats: list[RolloutStats] = []
         grad_norms: list[float] = []
+        first_dev: list[Tensor] = []  # |log pi - log pi_old| on the step's first mini-batch (pi = pi_old there)
+        skipped = 0
         mbs_per_mini = mini_per_rank // t.micro_batch_size
-        actor.engine.train()
         for epoch in range(t.ppo_epochs):
             for m0 in range(0, len(mbs), mbs_per_mini):
                 idx = range(m0, m0 + mbs_per_mini)
@@ -280,17 +292,33 @@ def train(cfg: Config) -> Path:
                 for i in idx:
                     sl = slice(i * t.micro_batch_size, (i + 1) * t.micro_batch_size)
                     logp, _ = actor.engine(mbs[i], r.temperature)
-                    if r.use_engine_logprobs and epoch == 0 and m0 == 0:  # still the weights that sampled
-                        mismatch.append((logp.detach() - old_logps[i])[mbs[i].resp_mask.bool()].cpu())
+                    if epoch == 0 and m0 == 0:  # still the weights that sampled: the IS ratio must be 1
+                        dev = (logp.detach() - old_logps[i])[mbs[i].resp_mask.bool()].cpu()
+                        first_dev.append(dev.abs())
+                        if r.use_engine_logprobs:
+                            mismatch.append(dev)
                     loss, st = policy_loss(logp, old_logps[i], mbs[i].resp_mask, ga.adv[sl], ga.c[sl], ga.k[sl],
                                            a.eps_lo, eps_hi[sl], norm, is_level=a.is_level, clip_rule=a.clip,
                                            loss_agg=a.loss_agg)
                     if a.kl_coef > 0:
                         loss = loss + a.kl_coef * kl_penalty(logp, ref_logps[i], mbs[i].resp_mask, norm)
-                    actor.backward(loss)
+                    applied = actor.backward(loss)
                     stats.append(st)
-                grad_norms.append(actor.grad_norm())
-        grad_norm, lr = float(np.mean(grad_norms)), actor.lr()
+                if applied:
+                    grad_norms.append(actor.grad_norm())
+                    skipped_in_a_row = 0
+                    continue
+                skipped += 1
+                skipped_in_a_row += 1
+                if rank == 0:
+                    log.warning("step %d: optimizer step skipped (gradient norm %s, last loss %s); weights and "
+                                "optimizer state untouched", step, actor.grad_norm(), float(loss))
+                if skipped_in_a_row >= t.max_skipped_steps:
+                    raise TrainingDiverged(
+                        f"step {step}: {skipped_in_a_row} optimizer steps in a row had a non-finite gradient norm "
+                        f"(trainer.max_skipped_steps={t.max_skipped_steps}); the weights are those of the last "
+                        f"good step. Lower trainer.lr, check model.dtype, or resume from a checkpoint in {run_dir}")
+        grad_norm, lr = float(np.mean(grad_norms)) if grad_norms else float("nan"), actor.lr()
         timings["train"] = time.perf_counter() - tic
 
         # --- 5. weight push: gather (collective) and stream into this rank's engine ----------------
@@ -303,13 +331,14 @@ def train(cfg: Config) -> Path:
                  "status": [res.status for res in flat_results],
                  "len": [len(x.response_ids) for x in rollouts], "trunc": [x.truncated for x in rollouts],
                  "mismatch": torch.cat(mismatch), "entropy_sum": entropy_sum, "kl_ref_sum": kl_ref_sum,
+                 "first_dev": torch.cat(first_dev), "skipped": skipped,
                  "tokens": float(sum(float(mb.resp_mask.sum()) for mb in mbs)), "timings": timings}
         if t.log_rollouts:
             local["records"] = rollout_records(step, rank, [batch[j] for j in mine], problems, groups, flat_results,
                                                ga, eps_hi, stats, t.micro_batch_size)
         parts = gather(local)
         if rank == 0:
-            metrics = step_metrics(parts, a.is_level, grad_norm, lr)
+            metrics = step_metrics(parts, a.is_level, grad_norm, lr, a.correct_threshold)
             if parent and step == start:
                 metrics["branch/parent_step"] = parent["step"]
             # Everything the step cost on rank 0 (phases + packing, metric gathering), before validation/saving.
@@ -360,7 +389,8 @@ def rollout_records(step, rank, prompt_idx, problems, groups, results, ga, eps_h
     return out
 
 
-def step_metrics(parts: list[dict], is_level: str, grad_norm: float, lr: float) -> dict[str, float]:
+def step_metrics(parts: list[dict], is_level: str, grad_norm: float, lr: float,
+                 correct_threshold: float = 1.0) -> dict[str, float]:
     """One step's logged numbers from every rank's per-rollout records."""
     stats = RolloutStats.cat([p["stats"] for p in parts])
     rewards = torch.cat([p["rewards"] for p in parts])
@@ -371,7 +401,9 @@ def step_metrics(parts: list[dict], is_level: str, grad_norm: float, lr: float) 
     tokens = sum(p["tokens"] for p in parts)
     gen_tokens = float(lengths.sum())
     tim = {key: max(p["timings"][key] for p in parts) for key in parts[0]["timings"]}  # the slowest rank
-    m = {"reward/mean": float(rewards.mean()), "reward/correct_frac": float((rewards >= 1).double().mean())}
+    first_dev = torch.cat([p["first_dev"] for p in parts]).double()
+    m = {"reward/mean": float(rewards.mean()),
+         "reward/correct_frac": float((rewards >= correct_threshold).double().mean())}
     for s in ("correct", "wrong", "no_answer", "timeout", "error"):
         m[f"reward/{s}_frac"] = status.count(s) / len(status)
     m.update(group_metrics(c, k))
@@ -382,6 +414,11 @@ def step_metrics(parts: list[dict], is_level: str, grad_norm: float, lr: float) 
               # k3 KL(pi_old || pi_ref) per token at rollout time (0 without a reference model)
               "kl_ref": sum(p["kl_ref_sum"] for p in parts) / max(tokens, 1.0),
               "grad_norm": grad_norm, "lr": lr,
+              # optimizer steps of this step whose gradient was not finite (not applied)
+              "skipped_steps": float(parts[0]["skipped"]),
+              # max |log pi_theta - log pi_old| over the first mini-batch's tokens, where theta = theta_old:
+              # 0 exactly when the old-log-prob pass and the update compute the same thing
+              "first_minibatch/max_abs_log_ratio": float(first_dev.max()) if first_dev.numel() else 0.0,
               "logprob_mismatch/mean_abs": float(mism.abs().mean()) if mism.numel() else 0.0,
               "logprob_mismatch/max_abs": float(mism.abs().max()) if mism.numel() else 0.0,
               # exp(mean(trainer - engine)): the IS ratio a sequence would carry from the engine alone

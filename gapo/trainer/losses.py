@@ -123,7 +123,7 @@ class RolloutStats:
     n_tokens: Tensor  # [B]
     clip_hi_tokens: Tensor  # [B] tokens whose gradient the upper bound removed (CISPO: whose weight it capped)
     clip_lo_tokens: Tensor  # [B]
-    kl_sum: Tensor  # [B] sum over tokens of the k3 estimate of KL(old || new)
+    kl_sum: Tensor  # [B] sum over tokens of the k3 estimate of KL(old || new): r - 1 - log r, r = pi_new / pi_old
 
     @classmethod
     def cat(cls, parts: list[RolloutStats]) -> RolloutStats:
@@ -173,8 +173,9 @@ def policy_loss(logp: Tensor, old_logp: Tensor, mask: Tensor, adv: Tensor, c: Te
         raise ValueError(f"unknown loss aggregation {loss_agg!r}")
 
     with torch.no_grad():
-        d = (old_logp - logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-        k3 = (torch.exp(d) - 1 - d) * mask  # KL(old || new) estimator, >= 0
+        # k3 estimator of KL(old || new) over tokens sampled from old: r - 1 - log r with r = pi_new / pi_old
+        d = (logp - old_logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+        k3 = (torch.exp(d) - 1 - d) * mask
         # On the CPU, whatever device the loss ran on: stats are gathered across ranks as Python objects.
         stats = RolloutStats(seq_log_ratio=seq_log_ratio.detach().float().cpu(), adv=adv.detach().float().cpu(),
                              c=c.long().cpu(), k=k.long().cpu(), n_tokens=n_tok.detach().float().cpu(),
