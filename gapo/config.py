@@ -320,6 +320,7 @@ def resolve(raw: dict | None = None, overrides: list[str] | tuple[str, ...] = ()
     file_algo = tree.get("algorithm") or {}
     if not isinstance(file_algo, dict):
         raise ConfigError(f"algorithm: expected a mapping, got {file_algo!r}")
+    file_algo = dict(file_algo)  # as the file has it, before the overrides write into the tree
     cli_algo: dict[str, Any] = {}
     for item in overrides:
         path, value = _parse_override(item)
@@ -338,7 +339,7 @@ def resolve(raw: dict | None = None, overrides: list[str] | tuple[str, ...] = ()
             log.info("algorithm.name=%s on the command line: not using the config file's %s (they set up %s)",
                      name, ", ".join(f"algorithm.{k}" for k in dropped), file_algo.get("name", "gapo"))
         algo = {k: v for k, v in algo.items() if k not in dropped}
-    tree["algorithm"] = {**_preset_switches(name, algo.get("clip_widths")),
+    tree["algorithm"] = {**_preset_switches(name, algo),
                          **{k: v for k, v in algo.items() if v is not None}}
     merged = tree["algorithm"]
     # An explicit eps_hi with a fixed-clip preset also moves eps_hi_max (they name one bound there).
@@ -355,18 +356,21 @@ def resolve(raw: dict | None = None, overrides: list[str] | tuple[str, ...] = ()
     return cfg
 
 
-def _preset_switches(name: str, clip_widths: Any) -> dict[str, Any]:
-    """The preset's switches, its clip bounds taken from the config's widths for the preset's IS level."""
+def _preset_switches(name: str, algo: dict) -> dict[str, Any]:
+    """The preset's switches, its clip bounds taken from the config's widths for the preset's IS level; a
+    symmetric preset's upper bound follows an explicit eps_lo."""
     preset = dict(PRESETS[name])
     shape = preset.pop("shape", None)
     if shape is None:  # CISPO: weight bounds of its own
         return preset
-    widths = {**DEFAULT_CLIP_WIDTHS, **(clip_widths if isinstance(clip_widths, dict) else {})}
+    widths = algo.get("clip_widths")
+    widths = {**DEFAULT_CLIP_WIDTHS, **(widths if isinstance(widths, dict) else {})}
     pair = widths.get(preset["is_level"])
     if not (isinstance(pair, list | tuple) and len(pair) == 2 and all(isinstance(x, int | float) for x in pair)):
         raise ConfigError(f"algorithm.clip_widths.{preset['is_level']}: expected [eps_lo, eps_hi_max], got {pair!r}")
     lo, hi = float(pair[0]), float(pair[1])
-    upper = lo if shape == "sym" else hi
+    own_lo = algo.get("eps_lo")
+    upper = (lo if own_lo is None else own_lo) if shape == "sym" else hi
     return {**preset, "eps_lo": lo, "eps_hi": upper, "eps_hi_max": upper}
 
 

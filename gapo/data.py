@@ -36,7 +36,11 @@ def load_problems(source: str, *, prompt_key: str = "problem", answer_key: str =
     `sample`: only the first N records, streamed from the hub (a rehearsal checks the loader without the
     whole download)."""
     if source == "arithmetic":
-        return arithmetic_problems(arithmetic_size, seed=arithmetic_seed, levels=arithmetic_levels)
+        try:
+            return arithmetic_problems(arithmetic_size, seed=arithmetic_seed, levels=arithmetic_levels)
+        except ValueError as err:  # too many problems for the chosen levels, or an unknown level
+            raise ConfigError(f"data.arithmetic_size={arithmetic_size}, data.arithmetic_levels={arithmetic_levels}: "
+                              f"{err}") from None
     path = Path(source).expanduser()
     if path.suffix in (".json", ".jsonl", ".parquet"):
         if not path.is_file():

@@ -14,9 +14,11 @@ cannot hold, which is scaled and listed in the report:
           step -> 2 ranks x one prompt per optimizer step (so each mini-batch holds one group per rank),
           micro-batches -> 2 per mini-batch (1 where the real run has 1), lengths -> 24 new tokens and 512 prompt
           tokens, steps -> 2, validation -> 2 problems x 2 samples of each benchmark that loads, vLLM's KV
-          cache -> 0.25 GiB, reward workers -> 2, sleep mode off (the CPU refuses it)
-  data    a 16-problem sample of the real source when it loads; otherwise a stand-in of the same kind (the
-          embedded arithmetic set, or data/example_code.jsonl), and the report says why
+          cache -> 0.25 GiB and no compile warm-up (enforce_eager), reward workers -> 2, sleep mode off (the
+          CPU refuses it)
+  data    a 16-problem sample of the real source; when the hub cannot be reached (offline, HF_HUB_OFFLINE=1), a
+          stand-in of the same kind (the embedded arithmetic set, or data/example_code.jsonl), and the report
+          says so; any other loading error fails the rehearsal, as it would fail the run
 
 It ends with a report: the resolved method row, what was scaled, the first mini-batch's IS deviation
 (max |log pi - log pi_old| where pi = pi_old; 0 exactly when the old-log-prob pass and the update agree),
@@ -82,9 +84,9 @@ def plan(cfg: Config, nproc: int) -> Plan:
                     family, tie, tiny)
     shape = ", ".join(f"{k} {facts[k]}" for k in ("num_hidden_layers", "hidden_size", "num_attention_heads",
                                                   "num_key_value_heads", "vocab_size") if k in facts)
-    scale("model.path", tiny)
-    if shape:
-        scaled[-1] += f" ({shape} -> 2, 128, 4, 2, 320)"
+    if tiny != cfg.model.path:
+        scale("model.path", tiny)
+        scaled[-1] += f" ({shape} -> 2, 128, 4, 2, 320)" if shape else ""
     world = min(nproc, 2)
     if world != nproc:
         scaled.append(f"ranks: {nproc} -> {world}")
@@ -97,12 +99,18 @@ def plan(cfg: Config, nproc: int) -> Plan:
     scale("rollout.max_new_tokens", min(r.max_new_tokens, NEW_TOKENS))
     scale("eval.max_new_tokens", min(ev.max_new_tokens or r.max_new_tokens, NEW_TOKENS))
     scale("data.max_prompt_tokens", min(d.max_prompt_tokens, PROMPT_TOKENS))
-    scale("trainer.total_steps", STEPS)
+    start = 0
+    if t.resume_from:  # two steps past the checkpoint (a resumed run counts on from its step)
+        from gapo.trainer import checkpoint
+
+        start = checkpoint.read(checkpoint.find(t.resume_from))[0].step
+    scale("trainer.total_steps", start + STEPS)
     scale("trainer.save_every", 0)
     scale("trainer.eval_every", 0)
     scale("trainer.keep_last", 1)
     scale("reward.num_workers", min(cfg.reward.num_workers, 2))
     scale("rollout.kv_cache_gb", 0.25)
+    scale("rollout.enforce_eager", True)  # vLLM's compile warm-up would take most of a rehearsal's minute
     scale("rollout.sleep_between_steps", False)
     if cfg.tracking.mode == "online":
         scale("tracking.mode", "offline")
@@ -124,10 +132,12 @@ def _data_sample(cfg: Config, run_dir: Path, scaled: list[str]) -> dict:
                                  arithmetic_size=min(d.arithmetic_size, 300), arithmetic_seed=d.arithmetic_seed,
                                  arithmetic_levels=d.arithmetic_levels, sample=SAMPLE)
     except ConfigError as err:
+        if not isinstance(err.__cause__, ConnectionError):  # a broken source fails the rehearsal, as it would the run
+            raise
         stand_in = {"math": {"train": "arithmetic", "arithmetic_levels": ["add_small"], "arithmetic_size": 300},
                     "code": {"train": str(EXAMPLE_CODE), "prompt_key": "problem", "answer_key": "tests",
                              "split": "train"}}[d.type]
-        scaled.append(f"data.train: {d.train} -> {stand_in['train']} (the source did not load: {err})")
+        scaled.append(f"data.train: {d.train} -> {stand_in['train']} (loader NOT checked, hub unreachable: {err})")
         return stand_in
     sample = run_dir / "data_sample.jsonl"
     with sample.open("w") as f:

@@ -115,3 +115,10 @@ def test_shipped_example_file_loads_and_scores():
                ["\\boxed{2,3,5,7}"], ["\\boxed{12}"], ["\\boxed{(1,2]}"]]
     results = score_groups("math", answers, probs, RewardConfig())
     assert [g[0].status for g in results] == ["correct"] * 8
+
+
+def test_too_many_arithmetic_problems_for_the_levels_is_a_config_error():
+    from gapo.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"data.arithmetic_size=1500.*only 400 found"):
+        load_problems("arithmetic", arithmetic_size=1500, arithmetic_levels=["add_small"])

@@ -236,3 +236,39 @@ def test_gradient_accumulates_over_micro_batches_and_ranks(tmp_path, stage, npro
         res = json.loads(Path(f"{out}.{rank}").read_text())
         assert res["ds"] == pytest.approx(res["torch"], rel=1e-5)
         assert abs(res["torch"] - res["last_micro_only"]) > 1e-3 * res["torch"]  # the check can tell them apart
+
+
+def test_generation_stops_at_the_chat_templates_end_of_turn(tmp_path):
+    """A base model's generation config stops only at <|endoftext|>; the chat turn ends at <|im_end|>. Without
+    the template's end-of-turn as a stop token the model writes past its turn (and a last-\\boxed{} reader
+    would read what follows); with it, <|im_end|> ends every response that is not truncated."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from gapo.models import resolve_model
+
+    model = tmp_path / "base-eos"
+    shutil.copytree(resolve_model("tiny-qwen2"), model)
+    tok = AutoTokenizer.from_pretrained(model)
+    tok.eos_token = "<|endoftext|>"
+    tok.save_pretrained(model)
+    eos = tok.convert_tokens_to_ids("<|endoftext|>")
+    for name in ("config.json", "generation_config.json"):
+        cfg = json.loads((model / name).read_text())
+        cfg["eos_token_id"] = eos
+        (model / name).write_text(json.dumps(cfg))
+    out = tmp_path / "stops.json"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1",
+                        "tests/dist_stop_check.py", str(model), str(out)], cwd=ROOT, env=ENV, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    res = json.loads(out.read_text())
+    im_end = res["im_end"]
+    assert im_end in res["stop_ids"] and eos in res["stop_ids"]
+    past = [ids for ids, _ in res["without"] if im_end in ids[:-1]]
+    assert past, "the model never wrote past <|im_end|> without the stop: the test cannot tell"
+    for ids, text in res["with"]:
+        assert im_end not in ids[:-1] and (ids[-1] in (im_end, eos) or len(ids) == 40), ids
+        assert "<|im_end|>" not in text
+    assert any(ids[-1] == im_end for ids, _ in res["with"])

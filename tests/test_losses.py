@@ -301,3 +301,14 @@ def test_metrics_from_a_real_loss_evaluation():
     expected_hi = ((ga.adv > 0) & (r > 1 + 5e-3)).double().mean()
     assert m["clip_frac/high"] == pytest.approx(float(expected_hi))
     assert m["approx_kl"] > 0
+
+
+def test_approx_kl_is_k3_of_kl_old_new():
+    """k3 = r - 1 - log r with r = pi_new / pi_old (Schulman's estimator of KL(old || new) from old's samples):
+    for new = old + d on every token it is exp(d) - 1 - d, which is not symmetric in d."""
+    mask = torch.ones(1, 4)
+    old = torch.zeros(1, 4)
+    for d in (0.3, -0.3):
+        _, st = policy_loss(old + d, old, mask, torch.ones(1), torch.tensor([1]), torch.tensor([8]), 0.2, 0.2,
+                            StepNorm(4.0, 1.0), is_level="token")
+        assert loss_metrics(st, "token")["approx_kl"] == pytest.approx(math.exp(d) - 1 - d, rel=1e-5)

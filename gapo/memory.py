@@ -1,0 +1,265 @@
+"""Per-GPU memory plan of a run, from the model's config.json facts and the resolved config alone.
+
+Computed before anything loads (no torch, no weights), so that a run which cannot fit is stopped before it
+spends minutes downloading, building vLLM and partitioning weights. Everything is per rank, in bytes;
+"GB" in the printed table means GiB (2**30), the unit of `rollout.kv_cache_gb` and of a "80 GB" H100's
+memory (79.2 GiB usable).
+
+What one rank holds (each rank runs a colocated vLLM engine and a DeepSpeed actor, see gapo/trainer/loop.py):
+
+- vLLM: takes `gpu_memory_utilization * device` in total for its weights (model dtype), a profile-run
+  reserve (VLLM_RESERVE) and, in what is left, the KV cache; `rollout.kv_cache_gb` sets the KV cache
+  instead. The step's KV need (every sequence of the rank at once, prompt + max_new_tokens each) may be
+  larger: vLLM then preempts and runs the step in waves, slower but not an error. It does refuse to start
+  when the cache cannot hold one sequence of max_model_len (prompt + the larger of rollout/eval new tokens).
+- Trainer states, ZeRO-partitioned over the ranks (bytes per parameter in STATE_BYTES).
+- Activations of the largest micro-batch (micro_batch_size padded sequences of prompt + max_new_tokens, or
+  `trainer.max_tokens_per_micro_batch` tokens when that option exists), the padding mask, and the vocab
+  head's working set (one LOGIT_CHUNK of logits).
+- A fixed allowance (OVERHEAD) for the CUDA context, NCCL and ZeRO-3 working buffers.
+
+With `rollout.sleep_between_steps` vLLM frees its weights and KV cache while the actor trains, so the peak
+is max(generation phase, training phase); without it vLLM's share is held in both and simply adds up.
+
+Activations, per token of the micro-batch (b = dtype bytes, h hidden, qd = heads * head_dim, i intermediate,
+L layers), counted from what autograd saves in a transformers Qwen2/Llama decoder layer with SDPA attention
+(checked on CPU, transformers 5.19, by summing the tensors autograd saved in a padded bf16 forward of a
+small Qwen2: they matched these counts to the byte; the CUDA memory-efficient SDPA kernel saves the same
+q, k, v, output and mask as the CPU one):
+- each RMSNorm saves its input upcast to fp32 (4h), the normalised value in model dtype (b*h) and the
+  next linear's input (b*h): (4 + 2b) * h;
+- attention saves q and k, v *repeated to all heads* (transformers repeats GQA heads whenever a padding mask
+  is given on CUDA) and its output, which is also o_proj's input: 4 * b * qd;
+- the SwiGLU MLP saves gate output, its SiLU, up output and their product (down_proj's input): 4 * b * i.
+  One layer: 2 * (4 + 2b) * h + 4b * qd + 4b * i. This is Korthikanti et al. 2022 ("Reducing activation
+  recomputation in large transformer models", sbh(34 + 5as/h) per layer in 16-bit) redone for this layer:
+  no dropout, no s^2 score matrix (memory-efficient SDPA kernel), fp32 norms, GQA, SwiGLU. For
+  Qwen2.5-1.5B it is 70.7 * h bytes per token against their 34 * h for a GPT layer with a 4h MLP.
+- With gradient checkpointing only each layer's input is kept (L * b * h), and in backward one layer is
+  recomputed in full; at its MLP backward the gradients of two of the [tokens, i] intermediates exist next
+  to it (+2b * i), and the residual stream's gradient (2b * h) flows through. Without checkpointing all L
+  layers stay (+ the same backward terms).
+- The padding mask: transformers builds a boolean [B, 1, S, S] mask for SDPA when a micro-batch is padded
+  (always, in the worst case planned here), and torch turns it into an additive mask in model dtype that the
+  kernel saves for backward: B * S^2 * (1 + b) with checkpointing, B * S^2 * (1 + L * b) without (each
+  layer saves its own copy). Quadratic in the sequence length: at 25,600 tokens it is 15 GiB.
+- Logits: the head runs on response positions only, LOGIT_CHUNK tokens at a time; the chunk's logits are
+  in model dtype (fp32 only LOGPROB_ROWS rows at a time) and are turned into their own gradient in place,
+  recomputed in backward (gapo/trainer/actor.py), so one chunk * vocab * b, plus the head's weight gradient
+  at full size (vocab * h * b) before ZeRO reduces it. The head phase and the layer backward do not peak
+  at the same moment; adding both is conservative by about a GiB.
+
+Calibration, honestly: the activation formula is derived from the code and checked against the tensors
+autograd saves, but the totals have not been measured on a GPU; allocator fragmentation typically adds
+5-15 % on top. VLLM_RESERVE and OVERHEAD are allowances, not measurements. With these constants the
+issue's anchors come out as:
+- Qwen2.5-Math-1.5B, configs/qwen_math.yaml (bf16, checkpointing, ZeRO-3 on 8 ranks, 8 x 4,096 tokens,
+  gpu_memory_utilization 0.5), 80 GB: vLLM 40 + states 3.2 + activations 7.2 + mask 0.4 + logits 0.7 +
+  overhead 3 = about 54.6 of 80 GiB: fits (the issue: about 55).
+- DeepSeek-R1-Distill-Qwen-1.5B, configs/r1_distill_math.yaml (8 x 25,600 tokens): activations 45.1 GiB
+  (the issue: 45-55) plus a 14.6 GiB padding mask next to vLLM's 40: about 107 GiB, does not fit (with
+  rollout.sleep_between_steps the peak drops to about 67 GiB and it would).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gapo.config import Config
+
+GiB = 2**30
+
+# Mirrors gapo.trainer.actor.LOGIT_CHUNK / ROWS (that module imports torch; this one must not). A test
+# checks they agree.
+LOGIT_CHUNK = 1024
+LOGPROB_ROWS = 64
+
+# vLLM's share beyond weights and KV cache: the peak of its profile run (a forward of up to 16,384 batched
+# tokens and the sampler's fp32 logits for up to 1,024 sequences: about 1-1.5 GiB for 1.5B-3B models with
+# 128-152k vocabularies) and its CUDA graphs. An allowance for models of that size.
+VLLM_RESERVE = 2 * GiB
+
+# CUDA context and cuBLAS workspaces (about 1 GiB for torch and vLLM in one process), NCCL communicators
+# (DeepSpeed's and vLLM's), ZeRO-3 working buffers (gathered layers and prefetch, the reduce bucket of up to
+# 5e8 elements) and allocator slack. An allowance, not a measurement.
+OVERHEAD = 3 * GiB
+
+# Trainer bytes per parameter: (weights, gradients, optimizer state). bf16 runs accumulate gradients in
+# fp32 (see Actor: grad_accum_dtype) and keep an fp32 master copy next to Adam's m and v.
+STATE_BYTES = {"bfloat16": (2, 4, 4 + 4 + 4), "float32": (4, 4, 4 + 4)}
+DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
+
+
+def _shape(facts: dict) -> tuple[int, int, int, int, int, int, int]:
+    """hidden, intermediate, layers, heads, kv_heads, head_dim, vocab from a config.json dict."""
+    h, heads = facts["hidden_size"], facts["num_attention_heads"]
+    return (h, facts["intermediate_size"], facts["num_hidden_layers"], heads,
+            facts.get("num_key_value_heads") or heads, facts.get("head_dim") or h // heads, facts["vocab_size"])
+
+
+def param_count(facts: dict) -> int:
+    """Parameters of a Llama/Qwen2-style decoder: embeddings (twice when the output head is not tied),
+    per layer q, k, v, o (+ Qwen2's q/k/v biases, or `attention_bias`), a SwiGLU MLP and two RMSNorms;
+    the final norm."""
+    h, i, n_layers, heads, kv, hd, vocab = _shape(facts)
+    qd, kvd = heads * hd, kv * hd
+    attn = h * qd + 2 * h * kvd + qd * h
+    bias = facts.get("attention_bias", facts.get("model_type") == "qwen2")
+    if bias:
+        attn += qd + 2 * kvd + (h if facts.get("model_type") != "qwen2" else 0)  # Llama's bias is on o too
+    mlp = 3 * h * i + ((2 * i + h) if facts.get("mlp_bias") else 0)
+    embed = vocab * h * (1 if facts.get("tie_word_embeddings", False) else 2)
+    return embed + n_layers * (attn + mlp + 2 * h) + h
+
+
+def kv_bytes_per_token(facts: dict, dtype_bytes: int) -> int:
+    """K and V of every layer for one token: 2 * layers * kv_heads * head_dim * dtype bytes."""
+    _, _, n_layers, _, kv, hd, _ = _shape(facts)
+    return 2 * n_layers * kv * hd * dtype_bytes
+
+
+def trainer_state_bytes(params: int, dtype: str, zero_stage: int, world: int) -> int:
+    """Weights, gradients and optimizer state of one rank. ZeRO stage 1 partitions the optimizer state over
+    the ranks, stage 2 also the gradients, stage 3 also the weights."""
+    w, g, opt = STATE_BYTES[dtype]
+    w, g, opt = params * w, params * g, params * opt
+    return math.ceil((w if zero_stage < 3 else w / world) + (g if zero_stage < 2 else g / world)
+                     + (opt if zero_stage < 1 else opt / world))
+
+
+def activation_bytes(facts: dict, tokens: int, seq_len: int, dtype_bytes: int,
+                     checkpointing: bool) -> tuple[int, int]:
+    """(activations, padding mask) of one micro-batch of `tokens` tokens in padded sequences of `seq_len`,
+    at the peak of its backward (formulas in the module docstring)."""
+    h, i, n_layers, heads, _, hd, _ = _shape(facts)
+    b = dtype_bytes
+    layer = 2 * (4 + 2 * b) * h + 4 * b * heads * hd + 4 * b * i
+    backward = 2 * b * i + 2 * b * h
+    per_token = (n_layers * b * h + layer if checkpointing else n_layers * layer) + backward
+    seq_len = min(seq_len, tokens)
+    mask = tokens * seq_len * (1 + (1 if checkpointing else n_layers) * b)  # B * S^2 with B * S = tokens
+    return tokens * per_token, mask
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """One rank's memory, in bytes. `total` is the peak: max(generation phase, training phase)."""
+
+    params: int
+    dtype: str
+    zero_stage: int
+    world: int
+    micro_batch_tokens: int
+    sleep: bool
+    vllm_weights: int
+    vllm_reserve: int
+    kv_cache_given: int  # what vLLM gets for its KV cache (after weights and reserve, or kv_cache_gb)
+    kv_cache_needed: int  # every sequence of this rank's step at full length, at once
+    kv_one_sequence: int  # one sequence of max_model_len: vLLM refuses to start with less
+    trainer_states: int
+    activations: int
+    attention_mask: int
+    logits: int
+    overhead: int = OVERHEAD
+
+    @property
+    def vllm_total(self) -> int:
+        return self.vllm_weights + self.vllm_reserve + self.kv_cache_given
+
+    @property
+    def generation(self) -> int:
+        """vLLM generating while the trainer's states stay resident."""
+        return self.vllm_total + self.trainer_states + self.overhead
+
+    @property
+    def training(self) -> int:
+        """The actor's update; vLLM's share stays unless it sleeps. Asleep, its weights and KV cache are
+        freed and its reserve was only a profile-time peak in the same process's allocator."""
+        vllm = 0 if self.sleep else self.vllm_total
+        return vllm + self.trainer_states + self.activations + self.attention_mask + self.logits + self.overhead
+
+    @property
+    def total(self) -> int:
+        return max(self.generation, self.training)
+
+    @property
+    def waves(self) -> bool:
+        """The step's sequences do not all fit in vLLM's KV cache at once: it preempts and runs in waves."""
+        return self.kv_cache_needed > self.kv_cache_given
+
+    def fits(self, device_gb: float) -> bool:
+        return self.total <= device_gb * GiB
+
+
+def micro_batch_shape(cfg: Config) -> tuple[int, int]:
+    """(tokens, padded sequence length) of the largest training micro-batch."""
+    seq_len = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    budget = getattr(cfg.trainer, "max_tokens_per_micro_batch", None)
+    return (budget if budget else cfg.trainer.micro_batch_size * seq_len), seq_len
+
+
+def memory_plan(cfg: Config, facts: dict, world: int, device_gb: float = 80.0) -> MemoryPlan:
+    """The per-GPU plan of `cfg` for the model described by `facts` (gapo.models.model_facts) on `world`
+    ranks of `device_gb` GiB each, for the vLLM engine (the GPU path)."""
+    r, d, m = cfg.rollout, cfg.data, cfg.model
+    b = DTYPE_BYTES[m.dtype]
+    params = param_count(facts)
+    weights = params * b
+    if r.kv_cache_gb:
+        kv_given = int(r.kv_cache_gb * GiB)
+    else:
+        kv_given = max(0, int(r.gpu_memory_utilization * device_gb * GiB) - weights - VLLM_RESERVE)
+    per_token = kv_bytes_per_token(facts, b)
+    seq_len = d.max_prompt_tokens + r.max_new_tokens
+    prompts_per_rank = math.ceil(r.prompts_per_step / world)
+    max_model_len = d.max_prompt_tokens + max(r.max_new_tokens, cfg.eval.max_new_tokens or 0)
+    tokens, padded = micro_batch_shape(cfg)
+    activations, mask = activation_bytes(facts, tokens, padded, b, m.gradient_checkpointing)
+    _, _, _, _, _, _, vocab = _shape(facts)
+    return MemoryPlan(
+        params=params, dtype=m.dtype, zero_stage=cfg.trainer.zero_stage, world=world, micro_batch_tokens=tokens,
+        sleep=r.sleep_between_steps, vllm_weights=weights, vllm_reserve=VLLM_RESERVE, kv_cache_given=kv_given,
+        kv_cache_needed=prompts_per_rank * r.group_size * seq_len * per_token,
+        kv_one_sequence=max_model_len * per_token,
+        # A KL penalty keeps a frozen reference copy of the weights, partitioned like the actor's.
+        trainer_states=trainer_state_bytes(params, m.dtype, cfg.trainer.zero_stage, world)
+        + (math.ceil(weights / (world if cfg.trainer.zero_stage == 3 else 1)) if cfg.algorithm.kl_coef > 0 else 0),
+        activations=activations, attention_mask=mask,
+        logits=LOGIT_CHUNK * vocab * b + vocab * facts["hidden_size"] * b)
+
+
+def format_plan(plan: MemoryPlan, device_gb: float) -> str:
+    """A short table to read before launching: each item in GiB, the peak against the device, a verdict."""
+    def gb(x: int) -> str:
+        return f"{x / GiB:8.1f}"
+
+    need = gb(plan.kv_cache_needed).strip()
+    kv_note = (f"step needs {need}: vLLM will preempt / run in waves" if plan.waves
+               else f"step needs {need}: all at once")
+    rows = [
+        (f"vLLM weights ({plan.dtype})", plan.vllm_weights, ""),
+        ("vLLM profile/graphs reserve", plan.vllm_reserve, ""),
+        ("vLLM KV cache", plan.kv_cache_given, kv_note),
+        (f"trainer states (ZeRO-{plan.zero_stage} / {plan.world})", plan.trainer_states,
+         f"{plan.params / 1e9:.2f} B params"),
+        ("activations", plan.activations, f"{plan.micro_batch_tokens:,} tokens per micro-batch"),
+        ("padding mask", plan.attention_mask, ""),
+        ("logits chunk + head grad", plan.logits, ""),
+        ("CUDA / NCCL / ZeRO overhead", plan.overhead, ""),
+    ]
+    lines = [f"  {name:<32}{gb(x)}  {note}".rstrip() for name, x, note in rows]
+    rule = "  " + "-" * 40
+    lines.append(rule)
+    if plan.sleep:
+        lines.append(f"  {'generation phase':<32}{gb(plan.generation)}")
+        lines.append(f"  {'training phase (vLLM asleep)':<32}{gb(plan.training)}")
+    short = plan.total / GiB - device_gb
+    verdict = "fits" if plan.fits(device_gb) else f"does NOT fit (short by {short:.1f} GB)"
+    lines.append(f"  {'peak per GPU':<32}{gb(plan.total)}  of {device_gb:.1f} GB: {verdict}")
+    if plan.kv_cache_given < plan.kv_one_sequence:
+        lines.append(f"  vLLM's KV cache ({gb(plan.kv_cache_given).strip()} GB) cannot hold one sequence of "
+                     f"max_model_len ({gb(plan.kv_one_sequence).strip()} GB): vLLM will refuse to start")
+    return "Per-GPU memory plan (GB = GiB, estimates):\n" + "\n".join(lines)

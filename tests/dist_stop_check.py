@@ -1,0 +1,32 @@
+"""Run under torchrun by test_engine.py: a model whose EOS is <|endoftext|> (a base model's generation config)
+but whose chat turns end with <|im_end|>. Writes the response token ids sampled by vLLM with and without
+the stop tokens that gapo derives from the chat template."""
+
+import json
+import sys
+
+from transformers import AutoTokenizer
+
+from gapo.data import arithmetic_problems, build_prompt_ids, stop_token_ids
+from gapo.rollout.types import SamplingConfig
+from gapo.rollout.vllm_engine import VLLMEngine
+from gapo.trainer.loop import init_distributed
+
+
+def main(model_dir: str, out_path: str) -> None:
+    init_distributed()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    engine = VLLMEngine(model_dir, dtype="float32", seed=0, max_model_len=256, kv_cache_gb=0.25, enforce_eager=True)
+    prompts = [build_prompt_ids(tok, p, "Let's think step by step and output the final answer within \\boxed{}.")
+               for p in arithmetic_problems(4, seed=7, levels=["add_small"])]
+    out = {"stop_ids": list(stop_token_ids(tok)), "im_end": tok.convert_tokens_to_ids("<|im_end|>")}
+    for name, stops in (("with", stop_token_ids(tok)), ("without", ())):
+        groups = engine.generate(prompts, SamplingConfig(n=4, temperature=1.0, top_p=1.0, max_new_tokens=40,
+                                                         stop_token_ids=stops), seeds=[1, 2, 3, 4])
+        out[name] = [[x.response_ids, x.text] for g in groups for x in g]
+    with open(out_path, "w") as f:
+        json.dump(out, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
