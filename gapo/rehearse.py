@@ -117,8 +117,7 @@ def plan(cfg: Config, nproc: int) -> Plan:
     tree["tracking"]["tags"] = [*cfg.tracking.tags, "rehearsal"]
     scale("eval.n", min(ev.n, 2))
     scale("eval.limit", 2)
-    real_dir = t.output_dir
-    scale("trainer.output_dir", f"{real_dir}-rehearsal" + ("-resumed" if t.resume_from else ""))
+    scale("trainer.output_dir", f"{t.output_dir}-rehearsal" + ("-resumed" if t.resume_from else ""))
     return Plan(config=resolve(tree), world=world, scaled=scaled, method=method_row(cfg))
 
 
