@@ -393,7 +393,7 @@ def rollout_records(step, rank, prompt_idx, problems, groups, results, ga, eps_h
 
 
 def step_metrics(parts: list[dict], is_level: str, grad_norm: float, lr: float,
-                 correct_threshold: float = 1.0) -> dict[str, float]:
+                 correct_threshold: float) -> dict[str, float]:
     """One step's logged numbers from every rank's per-rollout records."""
     stats = RolloutStats.cat([p["stats"] for p in parts])
     rewards = torch.cat([p["rewards"] for p in parts])
