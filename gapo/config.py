@@ -125,20 +125,40 @@ class ModelConfig(_Section):
     gradient_checkpointing: bool = False
 
 
+class DataSource(_Section):
+    """One of several training sources (DeepCoder trains on three, each a configuration of one hub dataset
+    with its own test format). Unset keys take the data section's value."""
+
+    source: str  # JSON / JSONL / parquet path or a Hugging Face dataset name
+    subset: str | None = None  # the dataset's configuration name (datasets.load_dataset(name=...))
+    split: str | None = None
+    prompt_key: str | None = None
+    answer_key: str | None = None
+
+
 class DataConfig(_Section):
-    # JSON / JSONL / parquet path, a Hugging Face dataset name, or "arithmetic" (embedded, generated).
-    train: str = "arithmetic"
+    # JSON / JSONL / parquet path, a Hugging Face dataset name, "arithmetic" (embedded, generated), or a list
+    # of sources ({source, subset, split, prompt_key, answer_key}) concatenated in order.
+    train: str | list[DataSource] = "arithmetic"
     split: str = "train"
     type: Literal["math", "code"] = "math"
     prompt_key: str = "problem"
     answer_key: str = "answer"
     instruction: str = "Let's think step by step and output the final answer within \\boxed{}."
     max_prompt_tokens: int = Field(512, gt=0)
+    # Drop problems whose normalised text (case, whitespace) repeats an earlier one; the count is logged.
+    dedup: bool = False
     # Embedded arithmetic set: how many problems and the generator's seed.
     arithmetic_size: int = Field(2000, gt=0)
     arithmetic_seed: int = 1234
     # Subset of the generator's levels (add_small, add_2digit, sub_2digit, add_3digit, mul_small, mul_2digit).
     arithmetic_levels: list[str] | None = None
+
+    @model_validator(mode="after")
+    def _some_source(self) -> DataConfig:
+        if isinstance(self.train, list) and not self.train:
+            raise ValueError("data.train is an empty list: give a source, or a list of {source, subset, split}")
+        return self
 
 
 class RolloutConfig(_Section):

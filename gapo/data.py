@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from gapo.config import ConfigError
+from gapo.config import ConfigError, DataConfig, DataSource
 
 log = logging.getLogger("gapo.data")
 
@@ -30,11 +30,19 @@ class Problem:
 
 
 def load_problems(source: str, *, prompt_key: str = "problem", answer_key: str = "answer", split: str = "train",
-                  arithmetic_size: int = 2000, arithmetic_seed: int = 1234,
+                  subset: str | None = None, arithmetic_size: int = 2000, arithmetic_seed: int = 1234,
                   arithmetic_levels: list[str] | None = None, sample: int | None = None) -> list[Problem]:
-    """JSON (a list of records), JSONL, parquet, a Hugging Face dataset name, or `arithmetic`.
-    `sample`: only the first N records, streamed from the hub (a rehearsal checks the loader without the
-    whole download)."""
+    """JSON (a list of records), JSONL, parquet, a Hugging Face dataset name (`subset`: its configuration),
+    or `arithmetic`. `sample`: only the first N records, streamed from the hub (a rehearsal checks the loader
+    without the whole download).
+
+    Two record fields beyond the prompt and answer keys are read, the way DeepCoder's data preparation
+    reads them: a non-empty `starter_code` is shown under the question (LiveCodeBench's functional
+    problems name their function only there), and `metadata.func_name` joins a list of tests that lacks
+    it (the rewarder sees only the tests)."""
+    if subset is not None and (source == "arithmetic" or Path(source).suffix in (".json", ".jsonl", ".parquet")):
+        raise ConfigError(f"data source {source!r}: subset={subset!r} names a Hugging Face dataset configuration; "
+                          "a local file or the arithmetic set has none")
     if source == "arithmetic":
         try:
             return arithmetic_problems(arithmetic_size, seed=arithmetic_seed, levels=arithmetic_levels)
@@ -52,13 +60,14 @@ def load_problems(source: str, *, prompt_key: str = "problem", answer_key: str =
 
         try:
             if sample:
-                records = list(datasets.load_dataset(source, split=split, streaming=True).take(sample))
+                records = list(datasets.load_dataset(source, subset, split=split, streaming=True).take(sample))
             else:
-                records = list(datasets.load_dataset(source, split=split))
+                records = list(datasets.load_dataset(source, subset, split=split))
         except Exception as err:  # the library raises many kinds; the user needs the name and the cause
-            raise ConfigError(f"dataset {source!r}: not a .json/.jsonl/.parquet file and not loadable by "
-                                    f"datasets.load_dataset ({type(err).__name__}: {err})") from err
-        where = f"dataset {source!r}"
+            raise ConfigError(f"dataset {source!r}{f' (subset {subset!r})' if subset else ''}: not a "
+                              ".json/.jsonl/.parquet file and not loadable by datasets.load_dataset "
+                              f"({type(err).__name__}: {err})") from err
+        where = f"dataset {source!r}" + (f" subset {subset!r}" if subset else "")
     problems = []
     for i, rec in enumerate(records[:sample] if sample else records):
         if not isinstance(rec, dict):
@@ -68,11 +77,68 @@ def load_problems(source: str, *, prompt_key: str = "problem", answer_key: str =
                 raise ConfigError(f"{where}: item {i} has no field {key!r} (fields: {', '.join(sorted(rec))}); "
                                "set data.prompt_key / data.answer_key")
         meta = {k: v for k, v in rec.items() if k not in (prompt_key, answer_key)}
-        problems.append(Problem(uid=str(rec.get("unique_id", rec.get("id", i))), question=str(rec[prompt_key]),
-                                gold=rec[answer_key], meta=meta))
+        question, starter = str(rec[prompt_key]), rec.get("starter_code")
+        if isinstance(starter, str) and starter.strip():
+            question += ("\n\nComplete this starter code and give the whole solution in one ```python block:\n"
+                         f"```python\n{starter.rstrip()}\n```")
+        problems.append(Problem(uid=str(rec.get("unique_id", rec.get("id", i))), question=question,
+                                gold=_with_func_name(rec[answer_key], rec.get("metadata")), meta=meta))
     if not problems:
         raise ConfigError(f"{where}: no problems")
     return problems
+
+
+def _with_func_name(tests: Any, metadata: Any) -> Any:
+    """LiveCodeBench keeps a functional problem's function name in the record's metadata, not in its tests."""
+    if isinstance(metadata, str):
+        try:
+            metadata = json.loads(metadata)
+        except json.JSONDecodeError:
+            return tests
+    if not isinstance(metadata, dict) or not metadata.get("func_name"):
+        return tests
+    parsed = tests
+    if isinstance(tests, str):
+        try:
+            parsed = json.loads(tests)
+        except json.JSONDecodeError:
+            return tests
+    if not isinstance(parsed, list) or not all(isinstance(t, dict) for t in parsed):
+        return tests
+    return [t if t.get("metadata") else {**t, "metadata": metadata} for t in parsed]
+
+
+def load_training_set(d: DataConfig, sample: int | None = None) -> list[Problem]:
+    """data.train's problems: one source, or several concatenated in order (ids prefixed with the source's
+    position, so they stay unique), then de-duplicated when data.dedup asks for it."""
+    sources = [DataSource(source=d.train)] if isinstance(d.train, str) else d.train
+    problems: list[Problem] = []
+    for i, s in enumerate(sources):
+        got = load_problems(s.source, subset=s.subset, split=s.split or d.split,
+                            prompt_key=s.prompt_key or d.prompt_key, answer_key=s.answer_key or d.answer_key,
+                            arithmetic_size=d.arithmetic_size, arithmetic_seed=d.arithmetic_seed,
+                            arithmetic_levels=d.arithmetic_levels, sample=sample)
+        if len(sources) > 1:
+            label = s.subset or Path(s.source).stem
+            log.info("data.train[%d] %s%s: %d problems", i, s.source, f" ({s.subset})" if s.subset else "", len(got))
+            got = [Problem(f"{i}:{label}:{p.uid}", p.question, p.gold, p.meta) for p in got]
+        problems += got
+    return deduplicate(problems) if d.dedup else problems
+
+
+def deduplicate(problems: list[Problem]) -> list[Problem]:
+    """The first of each question, compared case- and whitespace-insensitively (DeepScaleR's 40,315 problems
+    hold repeats across its sources)."""
+    seen: set[str] = set()
+    kept = []
+    for p in problems:
+        key = " ".join(p.question.lower().split())
+        if key not in seen:
+            seen.add(key)
+            kept.append(p)
+    log.info("data.dedup: %d of %d problems kept (%d repeats dropped)", len(kept), len(problems),
+             len(problems) - len(kept))
+    return kept
 
 
 def _read_file(path: Path) -> list:

@@ -123,26 +123,27 @@ def plan(cfg: Config, nproc: int) -> Plan:
 
 def _data_sample(cfg: Config, run_dir: Path, scaled: list[str]) -> dict:
     """Check the real loader on a sample; the data section the rehearsal trains on."""
-    from gapo.data import load_problems
+    from gapo.data import load_training_set
 
     d = cfg.data
+    shown = d.train if isinstance(d.train, str) else " + ".join(x.subset or x.source for x in d.train)
     try:
-        problems = load_problems(d.train, prompt_key=d.prompt_key, answer_key=d.answer_key, split=d.split,
-                                 arithmetic_size=min(d.arithmetic_size, 300), arithmetic_seed=d.arithmetic_seed,
-                                 arithmetic_levels=d.arithmetic_levels, sample=SAMPLE)
+        problems = load_training_set(d.model_copy(update={"arithmetic_size": min(d.arithmetic_size, 300)}),
+                                     sample=SAMPLE)
     except ConfigError as err:
         if not isinstance(err.__cause__, ConnectionError):  # a broken source fails the rehearsal, as it would the run
             raise
         stand_in = {"math": {"train": "arithmetic", "arithmetic_levels": ["add_small"], "arithmetic_size": 300},
                     "code": {"train": str(EXAMPLE_CODE), "prompt_key": "problem", "answer_key": "tests",
                              "split": "train"}}[d.type]
-        scaled.append(f"data.train: {d.train} -> {stand_in['train']} (loader NOT checked, hub unreachable: {err})")
+        scaled.append(f"data.train: {shown} -> {stand_in['train']} (loader NOT checked, hub unreachable: {err})")
         return stand_in
     sample = run_dir / "data_sample.jsonl"
     with sample.open("w") as f:
         for p in problems:
-            f.write(json.dumps({**p.meta, "id": p.uid, "problem": p.question, "answer": p.gold}, default=str) + "\n")
-    scaled.append(f"data.train: {d.train} -> its first {len(problems)} problems ({sample.name}; loader checked)")
+            meta = {k: v for k, v in p.meta.items() if k != "starter_code"}  # already under the question
+            f.write(json.dumps({**meta, "id": p.uid, "problem": p.question, "answer": p.gold}, default=str) + "\n")
+    scaled.append(f"data.train: {shown} -> its first {len(problems)} problems ({sample.name}; loader checked)")
     return {"train": str(sample), "prompt_key": "problem", "answer_key": "answer", "split": "train"}
 
 

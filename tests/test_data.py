@@ -1,14 +1,15 @@
 """Loaders, the embedded arithmetic set, prompt building and the resumable sampler."""
 
 import json
+import logging
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from gapo.config import ConfigError
-from gapo.data import Sampler, arithmetic_problems, load_problems, tokenize_problems
+from gapo.config import ConfigError, resolve
+from gapo.data import Sampler, arithmetic_problems, load_problems, load_training_set, tokenize_problems
 from gapo.models import resolve_model
 
 RECORDS = [{"question": "1+1?", "solution": "2", "id": "a"}, {"question": "2+3?", "solution": 5, "id": "b"}]
@@ -122,3 +123,61 @@ def test_too_many_arithmetic_problems_for_the_levels_is_a_config_error():
 
     with pytest.raises(ConfigError, match=r"data.arithmetic_size=1500.*only 400 found"):
         load_problems("arithmetic", arithmetic_size=1500, arithmetic_levels=["add_small"])
+
+
+# --- several training sources (DeepCoder's mix) and de-duplication ---------------------------------------
+FIXTURES = Path(__file__).parent / "fixtures" / "deepcoder"
+DEEPCODER_MIX = [{"source": str(FIXTURES / f"{name}.jsonl")} for name in ("primeintellect", "taco", "lcbv5")]
+
+
+def test_sources_concatenate_in_order_with_unique_ids():
+    d = resolve({"data": {"train": DEEPCODER_MIX, "type": "code", "answer_key": "tests"}}).data
+    problems = load_training_set(d)
+    assert [p.uid.split(":")[1] for p in problems] == ["primeintellect"] * 3 + ["taco"] * 2 + ["lcbv5"] * 3
+    assert len({p.uid for p in problems}) == len(problems) == 8
+
+
+def test_a_functional_livecodebench_problem_gets_its_function_name_and_starter_code():
+    d = resolve({"data": {"train": DEEPCODER_MIX[2:], "answer_key": "tests"}}).data
+    stdin, functional, _ = load_training_set(d)
+    assert stdin.question.endswith("Print x squared.")  # empty starter code: the question as stored
+    assert "```python\nclass Solution:\n    def maxGap(self, nums: List[int]) -> int:\n```" in functional.question
+    assert all(t["metadata"] == {"func_name": "maxGap"} for t in functional.gold)
+
+
+def test_per_source_keys_override_the_data_sections(tmp_path):
+    renamed = [{"question": "q1", "expected": "1"}, {"question": "q2", "expected": "2"}]
+    path = tmp_path / "renamed.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in renamed))
+    d = resolve({"data": {"train": [{"source": str(path), "prompt_key": "question", "answer_key": "expected"},
+                                     {"source": "arithmetic"}], "arithmetic_size": 5}}).data
+    problems = load_training_set(d)
+    assert [p.question for p in problems[:2]] == ["q1", "q2"] and len(problems) == 7
+
+
+@pytest.mark.parametrize("train, message", [
+    ([], "data.train is an empty list"),
+    ([{"source": "x.jsonl", "subst": "a"}], "subst"),
+])
+def test_bad_source_lists_are_config_errors(train, message):
+    with pytest.raises(ConfigError, match=message):
+        resolve({"data": {"train": train}})
+
+
+def test_a_subset_on_a_local_file_is_refused_naming_both():
+    d = resolve({"data": {"train": [{"source": DEEPCODER_MIX[0]["source"], "subset": "taco"}]}}).data
+    with pytest.raises(ConfigError, match="subset='taco'.*local file"):
+        load_training_set(d)
+
+
+def test_dedup_keeps_the_first_of_each_normalised_question(tmp_path, caplog):
+    rows = [{"problem": "What is 1+1?", "answer": "2"}, {"problem": "what  is 1+1?\n", "answer": "3"},
+            {"problem": "What is 2+2?", "answer": "4"}, {"problem": "WHAT IS 2+2?", "answer": "4"}]
+    path = tmp_path / "dup.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    d = resolve({"data": {"train": str(path), "dedup": True}}).data
+    with caplog.at_level(logging.INFO, logger="gapo.data"):
+        problems = load_training_set(d)
+    assert [p.gold for p in problems] == ["2", "4"]
+    assert "2 of 4 problems kept (2 repeats dropped)" in caplog.text
+    assert len(load_training_set(d.model_copy(update={"dedup": False}))) == 4

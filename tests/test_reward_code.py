@@ -17,6 +17,7 @@ import ast
 import json
 import logging
 import time
+from pathlib import Path
 
 import pytest
 
@@ -343,3 +344,19 @@ def test_code_contests_and_codeforces_items_with_short_solutions(runner: CodeRun
                             _fenced(MIN_MAX.format(pair="max(x, y), min(x, y)"))],
                            json.dumps(codeforces["tests"]))
     assert [r.status for r in results] == ["correct", "wrong"]
+
+
+@pytest.mark.parametrize("source", ["primeintellect", "taco", "lcbv5"])
+def test_deepcoder_sources_reference_solutions_pass_and_broken_ones_fail(runner: CodeRunner, source) -> None:
+    """Each of DeepCoder's three training formats, loaded as training loads it (the function name and starter
+    code of LiveCodeBench's functional problems come from the record), through the real sandbox."""
+    from gapo.data import load_problems
+
+    path = Path(__file__).parent / "fixtures" / "deepcoder" / f"{source}.jsonl"
+    problems = load_problems(str(path), answer_key="tests")
+    for p in problems:
+        good = runner.score([_fenced(p.meta["solutions"][0])], p.gold)
+        assert [r.reward for r in good] == [1.0], (p.question, good)
+        broken = p.meta["solutions"][0].replace("return ", "return 1 + ").replace("print(", "print(1, ")
+        assert broken != p.meta["solutions"][0]
+        assert [r.reward for r in runner.score([_fenced(broken)], p.gold)] == [0.0], p.question

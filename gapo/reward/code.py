@@ -9,9 +9,10 @@ Test formats (`tests` is the raw string, parsed with ast.literal_eval or, failin
 eval; or the already-parsed object):
   * stdin/stdout: Codeforces `[{"input", "output"}, ...]`; code_contests and TACO/APPS
     `{"inputs": [...], "outputs": [...]}`; APPS' raw `{"input_output": "<json>"}`; LiveCodeBench items
-    with `"testtype": "stdin"`.
-  * call-based: TACO/APPS with `fn_name` (inputs are argument lists; an expected output wrapped in a
-    one-element list also matches the bare value, TACO's convention); LiveCodeBench items with
+    with `"testtype": "stdin"`; PrimeIntellect items with `"type": "stdin_stdout"`.
+  * call-based: TACO/APPS with `fn_name` and PrimeIntellect items with `"type": "function_call"` (inputs
+    are argument lists; an expected output wrapped in a one-element list also matches the bare value,
+    TACO's convention); LiveCodeBench items with
     `"testtype": "functional"` and `metadata.func_name` (one JSON argument per input line). The function is
     a top-level function or a method of `class Solution`.
   * check(candidate) programs: LeetCode `{"functional": "<program that ends with check(Solution().m)>"}`
@@ -161,11 +162,16 @@ def _from_list(tests: list) -> TestSuite:
         raise ValueError("tests: empty list")
     cases: list[Case] = []
     expected: list[Any] = []
+    wrapped = False
     for i, item in enumerate(tests):
         where = f"tests[{i}]"
         if not isinstance(item, dict) or "input" not in item or "output" not in item:
             raise ValueError(f"{where}: expected a dict with 'input' and 'output'")
-        if item.get("testtype", "stdin") == "functional":
+        if item.get("type") == "function_call":  # PrimeIntellect: TACO's call-based convention, [x] matches x
+            cases.append(_call_case(item.get("fn_name"), item["input"], f"{where}['input']"))
+            expected.append(item["output"])
+            wrapped = True
+        elif item.get("testtype", "stdin") == "functional":
             metadata = item.get("metadata") or {}
             if isinstance(metadata, str):
                 metadata = _literal(metadata, f"{where}['metadata']")
@@ -180,7 +186,7 @@ def _from_list(tests: list) -> TestSuite:
         else:
             cases.append(StdioCase(_text(item["input"], f"{where}['input']")))
             expected.append(_text(item["output"], f"{where}['output']"))
-    return TestSuite(tuple(cases), tuple(expected))
+    return TestSuite(tuple(cases), tuple(expected), unwrap_single=wrapped)
 
 
 def _call_case(fn_name: Any, args: Any, where: str) -> CallCase:

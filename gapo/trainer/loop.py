@@ -24,7 +24,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from gapo.config import Config, ConfigError
-from gapo.data import Sampler, load_problems, stop_token_ids, tokenize_problems
+from gapo.data import Sampler, load_training_set, stop_token_ids, tokenize_problems
 from gapo.evaluate import evaluate, load_benchmark, summary, write_results
 from gapo.models import check_context_budget, resolve_model
 from gapo.reward.registry import score_groups
@@ -151,9 +151,7 @@ def train(cfg: Config) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     d = cfg.data
-    problems = load_problems(d.train, prompt_key=d.prompt_key, answer_key=d.answer_key, split=d.split,
-                             arithmetic_size=d.arithmetic_size, arithmetic_seed=d.arithmetic_seed,
-                             arithmetic_levels=d.arithmetic_levels)
+    problems = load_training_set(d)
     problems, prompt_ids = tokenize_problems(tokenizer, problems, d.instruction, d.max_prompt_tokens)
     sampler = Sampler(len(problems), seed=t.seed)
     ev = cfg.eval
