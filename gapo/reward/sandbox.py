@@ -23,7 +23,9 @@ Mechanism (why each layer exists):
     program's process, success is a per-case random nonce written on a separate pipe (fd 3) only after
     the test program returned; exiting early (os._exit(0), sys.exit), redefining print, closing stdout or
     printing "PASSED" cannot produce it. Return values handed to check() must be plain data (builtin
-    containers and scalars), which stops "always equal" objects. A program that digs the nonce out of its
+    containers and scalars), which stops "always equal" objects; a returned TreeNode / ListNode is rebuilt
+    from its plain values with the harness's node class, and the test program gets the harness's own
+    tree/list helpers, in its own copy of the globals. A program that digs the nonce out of its
     own memory could still forge it: this stops cheap reward hacks, not a determined in-process attacker.
   * The child cannot touch the harness: different uid (no ptrace, no signals), and PID 1 ignores
     signals from inside its namespace.
@@ -60,8 +62,14 @@ GUARD_NAME = "__gapo_guard__"
 _EXIT_HARNESS_BUG = 121
 _PATH = "/usr/local/bin:/usr/bin:/bin"
 
-# Names LeetCode-style programs use without importing them (LeetCode's judge provides them); only for
-# call-based and check(candidate) cases, never for stdin/stdout programs, which are whole scripts.
+# Names LeetCode-style programs and tests use without importing them; only for call-based and
+# check(candidate) cases, never for stdin/stdout programs, which are whole scripts. DeepCoder's harness (rllm,
+# rllm/rewards/code_utils/utils.py: BASE_IMPORTS, run before every LeetCode program) defines a fixed set of
+# explicit imports, and its data and the models trained on it rely on them (`xor` bare in a test, `deepcopy`,
+# `re_search`, ...). This is that set, minus numpy and pandas (about 1 s of start-up on every run, for names
+# LeetCode never provides), on top of the star imports of LeetCode's own judge. Like rllm we star-import neither
+# operator nor math: their `pow` would shadow the builtin and break pow(a, b, mod).
+# Its node classes and tree/list helpers are harness code below (_LEETCODE_NAMES), not prelude text.
 PRELUDE = """\
 from typing import *
 from collections import *
@@ -70,8 +78,15 @@ from bisect import *
 from itertools import *
 from functools import *
 from string import *
-from math import inf, gcd, lcm, comb, perm, sqrt, isqrt, log, log2, log10, ceil, floor, factorial, prod, pi
+from math import inf, gcd, lcm, comb, perm, sqrt, isqrt, log, log2, log10, ceil, floor, factorial, prod, pi, atan2
+from copy import deepcopy
+from operator import itemgetter, sub, xor, or_, iand
+from random import randrange, shuffle
+from re import search as re_search
+from os.path import commonprefix
+from time import time
 import math, re, string, heapq, bisect, collections, itertools, functools, operator, random, sys
+import copy, datetime, io, os
 """
 
 
@@ -410,15 +425,18 @@ def _child(job: dict, case: dict, workdir: str, stdin_fd: int, out_w: int, err_w
     namespace = {"__name__": "solution", "__builtins__": builtins}
     try:
         exec(PRELUDE, namespace)
+        namespace.update(_LEETCODE_NAMES)
         exec(compile(job["program"], "solution.py", "exec"), namespace)
         if kind == "call":
             value = _plain(_resolve(namespace, case["fn_name"])(*case["args"]))
             payload = json.dumps(value).encode()
         else:
-            namespace[GUARD_NAME] = _guard
-            exec(compile(case["program"], "tests.py", "exec"), namespace)
+            # The test program runs in a copy of the globals with the harness's helpers put back: a program
+            # that rebinds is_same_tree & co., when defined or while it runs, cannot change what the asserts call.
+            tests = {**namespace, **_LEETCODE_NAMES, GUARD_NAME: _guard}
+            exec(compile(case["program"], "tests.py", "exec"), tests)
             if case.get("entry_point"):
-                namespace["check"](_guard(namespace[case["entry_point"]]))
+                tests["check"](_guard(tests[case["entry_point"]]))
             payload = nonce.encode()
     except BaseException:  # SystemExit included: leaving early is a failure for these kinds
         traceback.print_exc()
@@ -504,9 +522,144 @@ def _guard(candidate):
     """What a check(candidate) program gets instead of the program's own callable."""
 
     def guarded(*args, **kwargs):
-        return _plain(candidate(*args, **kwargs))
+        return _returned(candidate(*args, **kwargs))
 
     return guarded
+
+
+def _returned(value: object) -> object:
+    """Plain data, or the LeetCode linked shapes: a TreeNode or ListNode (whatever class the program used),
+    alone or in a list, comes back rebuilt from its plain values with the harness's own node class, so no
+    program-defined __eq__ or property reaches the asserts."""
+    if type(value).__name__ in _NODE_FIELDS:
+        return _rebuilt(value)
+    if type(value) is list and any(type(item).__name__ in _NODE_FIELDS for item in value):
+        return [_returned(item) for item in value]
+    return _plain(value)
+
+
+# --------------------------------------------------------------------------------------------------
+# LeetCode's linked structures, with the names and semantics of DeepCoder's harness (rllm, utils.py:
+# BASE_LEETCODE_IMPORTS), whose tests build inputs with tree_node / list_node and compare results with
+# is_same_tree / is_same_list. Trusted code: the test program always gets these (see _child), and they read
+# and build the harness's nodes through each class's own instance-dict descriptor, taken here, so a program
+# that patches TreeNode or ListNode (a property for `val`, a new __init__) changes neither the expected
+# structures nor what is compared. Iterative, as LeetCode lists and degenerate trees run 10^5 nodes deep.
+# --------------------------------------------------------------------------------------------------
+class ListNode:
+    def __init__(self, val=0, next=None):
+        self.val = val
+        self.next = next
+
+
+class TreeNode:
+    def __init__(self, val=0, left=None, right=None):
+        self.val = val
+        self.left = left
+        self.right = right
+
+
+_NODE_FIELDS = {"ListNode": ("val", "next"), "TreeNode": ("val", "left", "right")}
+_NODE_DICT = {cls: cls.__dict__["__dict__"] for cls in (ListNode, TreeNode)}
+
+
+def _new_node(cls: type, **fields: object) -> object:
+    node = object.__new__(cls)
+    _NODE_DICT[cls].__get__(node).update(fields)
+    return node
+
+
+def _fields(node: object, names: tuple[str, ...]) -> list:
+    """Each field read once: from the instance dict for the harness's nodes, else as the program answers it."""
+    descriptor = _NODE_DICT.get(type(node))
+    if descriptor is not None:
+        instance = descriptor.__get__(node)
+        return [instance[name] for name in names]
+    return [getattr(node, name) for name in names]
+
+
+def list_node(values: list) -> ListNode | None:
+    """A linked list holding `values`; None for an empty list."""
+    head = None
+    for value in reversed(values):
+        head = _new_node(ListNode, val=value, next=head)
+    return head
+
+
+def tree_node(values: list) -> TreeNode | None:
+    """A binary tree from LeetCode's level order with None for missing children. Like rllm's: the root is
+    values[0] even when that is None, and values left over once no parent is waiting are ignored."""
+    if not values:
+        return None
+    root = _new_node(TreeNode, val=values[0], left=None, right=None)
+    parents, i = collections.deque([root]), 1
+    while parents and i < len(values):
+        parent = _NODE_DICT[TreeNode].__get__(parents.popleft())
+        for side in ("left", "right"):
+            if i < len(values) and values[i] is not None:
+                parent[side] = _new_node(TreeNode, val=values[i], left=None, right=None)
+                parents.append(parent[side])
+            i += 1
+    return root
+
+
+def _list_values(head: object) -> list:
+    """The values along a list, which must be plain data; a cycle is an error (rllm would loop forever)."""
+    values, seen = [], {}
+    while head is not None:
+        if id(head) in seen:
+            raise ValueError("the linked list has a cycle")
+        seen[id(head)] = head  # kept alive, so no id is reused while we walk
+        value, head = _fields(head, _NODE_FIELDS["ListNode"])
+        values.append(value)
+    return _plain(values)
+
+
+def _tree_values(root: object) -> list:
+    """Preorder: (val,) per node, None per missing child; two trees are the same iff these are equal.
+    Shared subtrees are fine (memoised solutions return them), a cycle is an error."""
+    values, on_path, stack = [], set(), [(False, root)]
+    while stack:
+        leaving, node = stack.pop()
+        if leaving:
+            on_path.discard(id(node))
+        elif node is None:
+            values.append(None)
+        elif id(node) in on_path:
+            raise ValueError("the tree has a cycle")
+        else:
+            on_path.add(id(node))
+            val, left, right = _fields(node, _NODE_FIELDS["TreeNode"])
+            values.append((val,))
+            stack += [(True, node), (False, right), (False, left)]
+    return _plain(values)
+
+
+def _rebuilt(node: object) -> object:
+    if type(node).__name__ == "ListNode":
+        return list_node(_list_values(node))
+    values = _tree_values(node)
+    holder = _new_node(TreeNode, val=None, left=None, right=None)
+    slots = [(holder, "left")]  # where the next preorder item goes, innermost last
+    for item in values:
+        parent, side = slots.pop()
+        if item is not None:
+            child = _new_node(TreeNode, val=item[0], left=None, right=None)
+            _NODE_DICT[TreeNode].__get__(parent)[side] = child
+            slots += [(child, "right"), (child, "left")]
+    return _NODE_DICT[TreeNode].__get__(holder)["left"]
+
+
+def is_same_list(l1: object, l2: object) -> bool:
+    return _list_values(l1) == _list_values(l2)
+
+
+def is_same_tree(p: object, q: object) -> bool:
+    return _tree_values(p) == _tree_values(q)
+
+
+_LEETCODE_NAMES = {"ListNode": ListNode, "TreeNode": TreeNode, "list_node": list_node, "tree_node": tree_node,
+                   "is_same_list": is_same_list, "is_same_tree": is_same_tree}
 
 
 # Run as a script, this file is the harness. It starts here, before the host-only imports below, which the
