@@ -40,7 +40,12 @@ def train_main(argv: list[str] | None = None) -> int:
         print(f"gapo-train: {err}", file=sys.stderr)
         return 2
     if args.print_config:
+        from gapo.memory import plan_text
+
         sys.stdout.write(dump_config(cfg))
+        # As YAML comments, so the output stays a config file.
+        text, _ = plan_text(cfg, args.nproc, None)
+        sys.stdout.write("".join(f"# {line}\n" for line in text.splitlines()))
         return 0
     if args.rehearse:
         return _rehearse(cfg, args.nproc)

@@ -209,6 +209,11 @@ class TrainerConfig(_Section):
     # Rollouts per optimizer step (one rollout batch of prompts_per_step * group_size is split).
     ppo_mini_batch_size: int = Field(64, ge=1)
     micro_batch_size: int = Field(8, ge=1)
+    # Pack each mini-batch's rollouts into micro-batches of at most this many padded tokens (rows x longest
+    # sequence), longest first, instead of micro_batch_size rollouts each (which then only caps the rows):
+    # long-context runs fit and short rollouts stop paying for the longest one's padding. The step's
+    # gradient is the same whatever the split (its normaliser is the whole mini-batch's).
+    max_tokens_per_micro_batch: int | None = Field(None, gt=0)
     ppo_epochs: int = Field(1, ge=1)
     # Run each distinct prompt of a micro-batch once and its rollouts on its shared KV cache (the k rollouts
     # of a group repeat their prompt). Same result to rounding; off with gradient checkpointing in training.
@@ -223,12 +228,28 @@ class TrainerConfig(_Section):
     # An optimizer step whose gradient norm is not finite is skipped (weights, optimizer state untouched);
     # this many in a row stop the run with a message.
     max_skipped_steps: int = Field(3, ge=1)
+    # On a GPU, refuse to start when the memory plan (gapo/memory.py, estimates) does not fit the device.
+    check_memory: bool = True
 
 
 class EvalConfig(_Section):
-    """Validation during training (every trainer.eval_every steps, before the first and after the last)."""
+    """Validation during training (every trainer.eval_every steps, before the first and after the last), and
+    the paper table's reporting settings in `protocol`."""
 
-    # Benchmark names (gapo.evaluate.BENCHMARKS, or "arithmetic": a held-out generated set) or name=path.
+    class Protocol(_Section):
+        """How the paper reports this config's table, applied by `gapo-eval --protocol <config>` (its flags
+        still override). Training never reads it: validation during a run samples fewer, and the final numbers
+        should come from the file that states the table, not from flags someone has to remember."""
+
+        table: str  # where these settings are stated, e.g. "Table 3, Qwen2.5-Math-1.5B"
+        benchmarks: list[str] = Field(min_length=1)  # specs as for eval.benchmarks
+        n: int = Field(ge=1)
+        temperature: float = Field(gt=0.0)
+        top_p: float = Field(gt=0.0, le=1.0)
+        max_new_tokens: int = Field(gt=0)
+
+    # Benchmark specs: names (gapo.evaluate.BENCHMARKS, or "arithmetic": a held-out generated set), name=path,
+    # and name@START:END for a date window (see gapo.evaluate).
     benchmarks: list[str] = Field(default_factory=list)
     n: int = Field(4, ge=1)
     temperature: float = Field(1.0, gt=0.0)
@@ -237,6 +258,7 @@ class EvalConfig(_Section):
     limit: int | None = Field(None, ge=1)  # first N problems of each benchmark
     instruction: str | None = None  # null: data.instruction
     coverage_threshold: float = Field(0.05, ge=0.0, le=1.0)
+    protocol: Protocol | None = None  # null: this config states no paper table
 
 
 class TrackingConfig(_Section):
@@ -268,6 +290,10 @@ class Config(_Section):
             raise ValueError(
                 f"trainer.ppo_mini_batch_size={t.ppo_mini_batch_size} must divide the rollouts per step "
                 f"(rollout.prompts_per_step * rollout.group_size = {rollouts})")
+        longest = self.data.max_prompt_tokens + self.rollout.max_new_tokens
+        if t.max_tokens_per_micro_batch is not None and t.max_tokens_per_micro_batch < longest:
+            raise ValueError(f"trainer.max_tokens_per_micro_batch={t.max_tokens_per_micro_batch} must hold one "
+                             f"rollout of data.max_prompt_tokens + rollout.max_new_tokens = {longest} tokens")
         if t.micro_batch_size > t.ppo_mini_batch_size or t.ppo_mini_batch_size % t.micro_batch_size:
             raise ValueError(f"trainer.micro_batch_size={t.micro_batch_size} must divide "
                              f"trainer.ppo_mini_batch_size={t.ppo_mini_batch_size}")

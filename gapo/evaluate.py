@@ -3,10 +3,19 @@
 The same `evaluate()` runs standalone (`gapo-eval`) and as validation inside training, so a number in
 the training log and a number from gapo-eval on the saved checkpoint mean the same thing.
 
-A benchmark is a name from BENCHMARKS (loaded from Hugging Face, or from `$GAPO_DATA_DIR/<file>` when
-that file exists, e.g. GAPO_DATA_DIR=../shared/data), `arithmetic` (a held-out generated set disjoint
-from the default training set), or `name=path` for any JSON/JSONL/parquet file with the math fields
-problem/answer (or code fields problem/tests when the name is a code benchmark).
+A benchmark spec is `name[@START:END][=path]`:
+- `name` from BENCHMARKS (loaded from Hugging Face, or from `$GAPO_DATA_DIR/<file>` when that file exists,
+  e.g. GAPO_DATA_DIR=../shared/data), or `arithmetic` (a held-out generated set disjoint from the default
+  training set);
+- `=path`: any JSON/JSONL/parquet file with the math fields problem/answer (code: problem/tests; ifeval:
+  Google's key/prompt/instruction_id_list/kwargs), scored by the kind of `name`;
+- `@START:END` (dates YYYY-MM-DD, either side may be empty): only the records whose `contest_date` lies in
+  the window, both ends included and compared as LiveCodeBench's own --start_date/--end_date compare them
+  (the end date at 00:00), so `livecodebench@2024-08-01:2025-02-01` is the problem set LiveCodeBench's runner
+  evaluates for that window: the paper's LCB-v5 (Table 2).
+
+`gapo-eval --protocol <config>` takes the benchmarks and sampling settings of a paper table from that
+config's `eval.protocol` (see EvalConfig.Protocol), so the reported numbers do not depend on remembered flags.
 """
 
 from __future__ import annotations
@@ -16,13 +25,15 @@ import json
 import math
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import UTC, date, datetime
 from pathlib import Path
 
 import torch.distributed as dist
 from tqdm import tqdm
 
-from gapo.config import ConfigError, RewardConfig
+from gapo import ifeval
+from gapo.config import ConfigError, RewardConfig, load_config
 from gapo.data import Problem, arithmetic_problems, build_prompt_ids, load_problems, stop_token_ids
 from gapo.metrics import coverage, pass_at_k
 from gapo.reward.registry import score_groups
@@ -56,16 +67,23 @@ BENCHMARKS = {
     "codeforces": Benchmark("", "", "code/codeforces.json", "code", answer_key="tests"),
     "code_contests": Benchmark("deepmind/code_contests", "test", "code/code_contests.json", "code",
                                answer_key="tests"),
+    # Google's 541 prompts (google-research/instruction_following_eval, data/input_data.jsonl).
+    "ifeval": Benchmark("google/IFEval", "train", "ifeval/input_data.jsonl", "ifeval", prompt_key="prompt",
+                        answer_key="instruction_id_list"),
 }
+# The record field a `@START:END` window filters on (LiveCodeBench's; also looked up inside `metadata`).
+DATE_FIELD = "contest_date"
 
 
 def load_benchmark(spec: str, limit: int | None = None, exclude: set[str] | None = None,
                    levels: list[str] | None = None, *, data_dir: str | Path | None = None
                    ) -> tuple[str, str, list[Problem]]:
-    """(name, kind, problems) for `name`, `name=path` or `arithmetic` (problems of `levels`, held out from
-    `exclude`, by default from the default training set). A named benchmark is read from `data_dir`
+    """(name, kind, problems) for a spec `name[@START:END][=path]` or `arithmetic` (problems of `levels`, held
+    out from `exclude`, by default from the default training set). A named benchmark is read from `data_dir`
     (default: $GAPO_DATA_DIR) when its file is there, else from Hugging Face."""
     name, _, path = spec.partition("=")
+    name, at, window = name.partition("@")
+    bounds = parse_window(window, spec) if at else None  # a malformed window fails before any download
     known = BENCHMARKS.get(name)
     kind = known.kind if known else "math"
     keys = {"prompt_key": known.prompt_key, "answer_key": known.answer_key} if known else {}
@@ -80,7 +98,82 @@ def load_benchmark(spec: str, limit: int | None = None, exclude: set[str] | None
     else:
         raise ConfigError(f"unknown benchmark {name!r}: use one of {', '.join([*BENCHMARKS, 'arithmetic'])} "
                           "or name=path/to/file.jsonl")
+    where = path or f"benchmark {name!r}"
+    if bounds:
+        problems = in_window(problems, *bounds, where=where, spec=spec)
+    if kind == "ifeval":
+        ifeval.require_sentence_splitter()
+        problems = ifeval.prepare(problems, where)
     return name, kind, problems[:limit] if limit else problems
+
+
+def parse_window(window: str, spec: str) -> tuple[datetime | None, datetime | None]:
+    """`START:END` -> (start, end) at 00:00 of each date; an empty side is open."""
+    start_text, colon, end_text = window.partition(":")
+    if not colon or not (start_text or end_text):
+        raise ConfigError(f"benchmark {spec!r}: the window after '@' must be START:END with dates YYYY-MM-DD "
+                          "(either side may be empty), e.g. livecodebench@2024-08-01:2025-02-01")
+    bounds = []
+    for side, text in (("start", start_text), ("end", end_text)):
+        try:
+            bounds.append(datetime.combine(date.fromisoformat(text), datetime.min.time()) if text else None)
+        except ValueError:
+            raise ConfigError(f"benchmark {spec!r}: window {side} {text!r} is not a date YYYY-MM-DD") from None
+    start, end = bounds
+    if start and end and start > end:
+        raise ConfigError(f"benchmark {spec!r}: the window starts ({start_text}) after it ends ({end_text})")
+    return start, end
+
+
+def record_date(problem: Problem) -> datetime | None:
+    """The problem's contest date as a naive UTC datetime, from its `contest_date` field or its metadata's
+    (DeepCoder-style records keep extra fields in a `metadata` mapping or JSON string); None when absent."""
+    value = problem.meta.get(DATE_FIELD)
+    if value is None:
+        meta = problem.meta.get("metadata")
+        if isinstance(meta, str):
+            try:
+                meta = json.loads(meta)
+            except json.JSONDecodeError:
+                meta = None
+        value = meta.get(DATE_FIELD) if isinstance(meta, dict) else None
+    if value is None:
+        return None
+    if isinstance(value, datetime):
+        got = value
+    elif isinstance(value, date):
+        got = datetime.combine(value, datetime.min.time())
+    elif isinstance(value, str):
+        try:
+            got = datetime.fromisoformat(value.strip())
+        except ValueError:
+            raise ConfigError(f"problem {problem.uid}: {DATE_FIELD}={value!r} is not an ISO date or date-time"
+                              ) from None
+    else:
+        raise ConfigError(f"problem {problem.uid}: {DATE_FIELD}={value!r} ({type(value).__name__}) is not a date")
+    return got.astimezone(UTC).replace(tzinfo=None) if got.tzinfo else got
+
+
+def in_window(problems: list[Problem], start: datetime | None, end: datetime | None, *, where: str,
+              spec: str) -> list[Problem]:
+    """The problems dated within [start, end]. Every record must carry its date: dropping undated ones would
+    make a window look applied to a file it cannot be applied to."""
+    dated = []
+    for i, p in enumerate(problems):
+        d = record_date(p)
+        if d is None:
+            raise ConfigError(
+                f"{where}: item {i} (uid {p.uid}) has no field {DATE_FIELD!r} (nor metadata.{DATE_FIELD}; fields: "
+                f"{', '.join(sorted(p.meta))}), so the window of {spec!r} cannot be applied. A file already cut to "
+                "the window (DeepCoder's lcbv5 test split is 2024-08-01..2025-02-01) goes without it: "
+                f"{spec.partition('@')[0]}=PATH")
+        dated.append((d, p))
+    kept = [p for d, p in dated if (start is None or start <= d) and (end is None or d <= end)]
+    if not kept:
+        lo, hi = min(d for d, _ in dated), max(d for d, _ in dated)
+        raise ConfigError(f"{where}: no problem in the window of {spec!r} (the records are dated "
+                          f"{lo.date()} to {hi.date()})")
+    return kept
 
 
 def _load_named(name: str, known: Benchmark, data_dir: str | Path | None, keys: dict) -> list[Problem]:
@@ -109,6 +202,8 @@ class BenchResult:
     correct: list[int]  # per problem, out of n
     uids: list[str]
     statuses: dict[str, int]
+    extra: dict[str, float] = field(default_factory=dict)  # kind-specific metrics (ifeval: its accuracies)
+    kind: str = "math"
 
     def pass_at(self) -> dict[int, float]:
         ks = [2**i for i in range(int(math.log2(self.n)) + 1)]
@@ -125,21 +220,35 @@ def evaluate(engine, tokenizer, benches: list[tuple[str, str, list[Problem]]], *
     out = []
     for name, kind, problems in tqdm(benches, desc="eval", disable=not progress or rank != 0):
         mine = list(range(rank, len(problems), world))
-        instr = instruction if instruction is not None else (MATH_INSTRUCTION if kind == "math" else "")
+        # IFEval's prompts are the instructions under test: nothing is appended to them.
+        instr = "" if kind == "ifeval" else instruction if instruction is not None else (
+            MATH_INSTRUCTION if kind == "math" else "")
         prompts = [build_prompt_ids(tokenizer, problems[i], instr) for i in mine]
         groups = engine.generate(prompts, sampling, seeds=[seed * 1_000_003 + i for i in mine]) if mine else []
-        scored = score_groups(kind, [[x.text for x in g] for g in groups], [problems[i] for i in mine], reward)
-        local = {i: [r.status for r in res] for i, res in zip(mine, scored, strict=True)}
+        texts, owned = [[x.text for x in g] for g in groups], [problems[i] for i in mine]
+        if kind == "ifeval":
+            scored = ifeval.score_groups(texts, owned)
+            local = {i: ([r.status for r in res], ifeval.counts(res)) for i, res in zip(mine, scored, strict=True)}
+        else:
+            scored = score_groups(kind, texts, owned, reward)
+            local = {i: ([r.status for r in res], {}) for i, res in zip(mine, scored, strict=True)}
         if world > 1:
             parts = [None] * world
             dist.all_gather_object(parts, local)
             local = {k: v for p in parts for k, v in p.items()}
         statuses: dict[str, int] = {}
-        for s in (s for i in range(len(problems)) for s in local[i]):
+        for s in (s for i in range(len(problems)) for s in local[i][0]):
             statuses[s] = statuses.get(s, 0) + 1
-        out.append(BenchResult(name, n, [local[i].count("correct") for i in range(len(problems))],
-                               [p.uid for p in problems], statuses))
+        extra = ifeval.metrics(local[i][1] for i in range(len(problems))) if kind == "ifeval" else {}
+        out.append(BenchResult(name, n, [local[i][0].count("correct") for i in range(len(problems))],
+                               [p.uid for p in problems], statuses, extra, kind))
     return out
+
+
+def _averaged(results: list[BenchResult]) -> list[BenchResult]:
+    """The benchmarks `val/mean` averages: all but IFEval, the paper's out-of-domain probe, which its
+    "Avg." column leaves out (Table 3)."""
+    return [r for r in results if r.kind != "ifeval"]
 
 
 def summary(results: list[BenchResult], threshold: float = 0.05) -> dict[str, float]:
@@ -149,9 +258,12 @@ def summary(results: list[BenchResult], threshold: float = 0.05) -> dict[str, fl
         for k, v in r.pass_at().items():
             m[f"val/{r.name}/pass@{k}"] = v
         m[f"val/{r.name}/coverage"] = coverage([c / r.n for c in r.correct], threshold)
-    if results:
-        for k in results[0].pass_at():
-            m[f"val/mean/pass@{k}"] = sum(m[f"val/{r.name}/pass@{k}"] for r in results) / len(results)
+        for k, v in r.extra.items():
+            m[f"val/{r.name}/{k}"] = v
+    averaged = _averaged(results)
+    if averaged:
+        for k in averaged[0].pass_at():
+            m[f"val/mean/pass@{k}"] = sum(m[f"val/{r.name}/pass@{k}"] for r in averaged) / len(averaged)
     return m
 
 
@@ -172,9 +284,14 @@ def table(results: list[BenchResult]) -> str:
     rows = [head, "-" * len(head)]
     for r in results:
         rows.append(f"{r.name:<16}{len(r.correct):>9}" + "".join(f"{100 * v:>9.1f}%" for v in r.pass_at().values()))
-    if len(results) > 1:
+    if len(_averaged(results)) > 1:
         mean = summary(results)
-        rows.append(f"{'mean':<16}{'':>9}" + "".join(f"{100 * mean[f'val/mean/pass@{k}']:>9.1f}%" for k in ks))
+        label = "mean" if len(_averaged(results)) == len(results) else "mean (no ifeval)"
+        rows.append(f"{label:<16}{'':>9}" + "".join(f"{100 * mean[f'val/mean/pass@{k}']:>9.1f}%" for k in ks))
+    for r in results:
+        if r.extra:
+            parts = [f"{ifeval.METRIC_NAMES.get(k, k)} {100 * v:.1f}%" for k, v in r.extra.items()]
+            rows.append(f"{r.name}: {', '.join(parts)} (pass@1 = prompt-level strict)")
     return "\n".join(rows)
 
 
@@ -188,23 +305,74 @@ def resolve_eval_model(path: str) -> Path:
     return find(p) / "hf"
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="gapo-eval", description="pass@k of a model on benchmarks (vLLM).")
+# What gapo-eval uses for a setting that neither its command line nor a --protocol gives.
+FALLBACK = {"n": 16, "temperature": 0.6, "top_p": 1.0, "max_new_tokens": 3072}
+PROTOCOL_KEYS = ("benchmarks", "n", "temperature", "top_p", "max_new_tokens")
+
+
+def apply_protocol(args: argparse.Namespace) -> str | None:
+    """Fill each setting the command line left unset (None) from the `eval.protocol` of the config named by
+    --protocol, else from FALLBACK; flags given explicitly win. Returns a line saying what came from where
+    (None without --protocol)."""
+    note = None
+    if args.protocol:
+        p = load_config(args.protocol).eval.protocol
+        if p is None:
+            raise ConfigError(f"--protocol {args.protocol}: the config has no eval.protocol section (the paper configs "
+                              "qwen_math, llama_math, r1_distill_math and deepcoder have one)")
+        given = [k for k in PROTOCOL_KEYS if getattr(args, k) is not None]
+        for k in PROTOCOL_KEYS:
+            if getattr(args, k) is None:
+                value = getattr(p, k)
+                setattr(args, k, ",".join(value) if k == "benchmarks" else value)
+        note = (f"protocol {args.protocol} ({p.table}): " + ", ".join(f"{k}={getattr(args, k)}" for k in PROTOCOL_KEYS)
+                + (f"; from the command line: {', '.join(given)}" if given else ""))
+    if args.benchmarks is None:
+        raise ConfigError("give --benchmarks, or --protocol CONFIG to take them from a paper config")
+    for k, v in FALLBACK.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    return note
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="gapo-eval", description="pass@k of a model on benchmarks (vLLM).",
+        epilog="Each of --benchmarks, --n, --temperature, --top-p, --max-new-tokens comes from the flag when given, "
+               "else from the --protocol config's eval.protocol (a paper table's settings), else from the default "
+               "shown. Example: gapo-eval --model runs/qwen_math_gapo --protocol qwen_math (Table 3).")
     ap.add_argument("--model", required=True, help="HF model dir, gapo checkpoint dir, run dir, or a built-in name")
-    ap.add_argument("--benchmarks", required=True, help="comma-separated names or name=path (see gapo.evaluate)")
-    ap.add_argument("--n", type=int, default=16, help="samples per problem (pass@k for k = 1, 2, 4, ... <= n)")
-    ap.add_argument("--temperature", type=float, default=0.6)
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--max-new-tokens", type=int, default=3072)
-    ap.add_argument("--instruction", default=None, help="appended to each problem (default: by benchmark kind)")
+    ap.add_argument("--protocol", default=None, metavar="CONFIG",
+                    help="a config (name in configs/ or path) whose eval.protocol gives the benchmarks and sampling "
+                         "of its paper table: qwen_math, llama_math (Table 3), r1_distill_math (Table 1), "
+                         "deepcoder (Table 2)")
+    ap.add_argument("--benchmarks", default=None,
+                    help="comma-separated specs name[@START:END][=path] (see gapo.evaluate); default: the protocol's")
+    ap.add_argument("--n", type=int, default=None,
+                    help=f"samples per problem (pass@k for k = 1, 2, 4, ... <= n); default: the protocol's, "
+                         f"else {FALLBACK['n']}")
+    ap.add_argument("--temperature", type=float, default=None,
+                    help=f"default: the protocol's, else {FALLBACK['temperature']}")
+    ap.add_argument("--top-p", type=float, default=None, help=f"default: the protocol's, else {FALLBACK['top_p']}")
+    ap.add_argument("--max-new-tokens", type=int, default=None,
+                    help=f"default: the protocol's, else {FALLBACK['max_new_tokens']}")
+    ap.add_argument("--instruction", default=None,
+                    help="appended to each problem (default: by benchmark kind; never to IFEval's prompts)")
     ap.add_argument("--limit", type=int, default=None, help="first N problems of each benchmark")
     ap.add_argument("--engine", choices=["vllm", "hf"], default="vllm")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workers", type=int, default=2, help="reward worker processes")
     ap.add_argument("--out", default=None, help="directory for results.json and per_problem.jsonl")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     try:
+        note = apply_protocol(args)
+        if note:
+            print(f"gapo-eval: {note}", file=sys.stderr)
         from gapo.models import BUILTIN, resolve_model
 
         model_dir = resolve_model(args.model) if args.model in BUILTIN else resolve_eval_model(args.model)

@@ -14,7 +14,7 @@ What one rank holds (each rank runs a colocated vLLM engine and a DeepSpeed acto
   when the cache cannot hold one sequence of max_model_len (prompt + the larger of rollout/eval new tokens).
 - Trainer states, ZeRO-partitioned over the ranks (bytes per parameter in STATE_BYTES).
 - Activations of the largest micro-batch (micro_batch_size padded sequences of prompt + max_new_tokens, or
-  `trainer.max_tokens_per_micro_batch` tokens when that option exists), the padding mask, and the vocab
+  `trainer.max_tokens_per_micro_batch` tokens when it is set), the padding mask, and the vocab
   head's working set (one LOGIT_CHUNK of logits).
 - A fixed allowance (OVERHEAD) for the CUDA context, NCCL and ZeRO-3 working buffers.
 
@@ -197,7 +197,7 @@ class MemoryPlan:
 def micro_batch_shape(cfg: Config) -> tuple[int, int]:
     """(tokens, padded sequence length) of the largest training micro-batch."""
     seq_len = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
-    budget = getattr(cfg.trainer, "max_tokens_per_micro_batch", None)
+    budget = cfg.trainer.max_tokens_per_micro_batch
     return (budget if budget else cfg.trainer.micro_batch_size * seq_len), seq_len
 
 
@@ -263,3 +263,17 @@ def format_plan(plan: MemoryPlan, device_gb: float) -> str:
         lines.append(f"  vLLM's KV cache ({gb(plan.kv_cache_given).strip()} GB) cannot hold one sequence of "
                      f"max_model_len ({gb(plan.kv_one_sequence).strip()} GB): vLLM will refuse to start")
     return "Per-GPU memory plan (GB = GiB, estimates):\n" + "\n".join(lines)
+
+
+def plan_text(cfg: Config, world: int, device_gb: float | None) -> tuple[str, bool]:
+    """The plan of `cfg` on `world` ranks as printed and logged, and whether it fits. `device_gb`: the GPU the
+    run found (None: planning away from one, for an 80 GB H100)."""
+    from gapo.models import model_facts
+
+    facts = model_facts(cfg.model.path)
+    if not facts:
+        return f"No memory plan: no config.json for {cfg.model.path} (local, hub cache or known models).", True
+    size = device_gb or 80.0
+    plan = memory_plan(cfg, facts, world, size)
+    where = f"{world} rank(s)" + ("" if device_gb else ", for an 80 GB GPU (none here)")
+    return f"{format_plan(plan, size)}\n  ({cfg.model.path}, {where})", plan.fits(size)

@@ -8,13 +8,16 @@
   the same model in the other shapes the paper's models come in: `--rehearse` trains them in their place.
 
 Both are written to a temporary directory and renamed into place, so a crash never leaves a half-written
-model that a later run would try to load.
+model that a later run would try to load, and under a file lock, so that the ranks of a node (or of every
+node, when the cache is on a shared filesystem) build or download a model once: the first takes the lock
+and builds, the others wait for it and find the model in place.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -22,6 +25,8 @@ from functools import partial
 from pathlib import Path
 
 from gapo.config import Config, ConfigError
+
+log = logging.getLogger("gapo.models")
 
 # tiny name -> (model_type, tie_word_embeddings)
 TINY = {"tiny-qwen2": ("qwen2", True), "tiny-qwen2-untied": ("qwen2", False), "tiny-llama": ("llama", True)}
@@ -109,30 +114,47 @@ def check_context_budget(cfg: Config, model: str) -> int | None:
 
 
 def _from_hub(repo_id: str) -> Path:
-    """A Hugging Face hub id (e.g. Qwen/Qwen2.5-Math-1.5B) -> its local snapshot, downloaded once. Rank 0
-    resolves first (the loop has a barrier), so ranks do not download concurrently."""
+    """A Hugging Face hub id (e.g. Qwen/Qwen2.5-Math-1.5B) -> its local snapshot, downloaded once per
+    filesystem the gapo cache lives on (a lock there serialises the ranks)."""
+    from filelock import FileLock
     from huggingface_hub import snapshot_download
 
+    locks = cache_dir() / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt",
-                                                                "*.jinja", "*.tiktoken"]))
+        with FileLock(locks / f"hub--{repo_id.replace('/', '--')}.lock"):  # one download, the others wait
+            return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt",
+                                                                    "*.jinja", "*.tiktoken"]))
     except Exception as err:  # offline, unknown repo, no access: all mean "not loadable from the hub"
         raise ConfigError(f"model.path: {repo_id!r} is not a local directory, and downloading it from the "
                           f"Hugging Face hub failed ({type(err).__name__}: {err})") from None
 
 
 def _atomic_build(target: Path, build) -> None:
+    """Build into a temporary directory next to `target` and rename it into place, holding a lock on
+    `target` meanwhile: a process that finds the lock taken waits, then sees the finished model and returns.
+    The build's seeds stay inside it: a run must draw the same random numbers whether or not it had to
+    build its model first."""
+    import torch
+    from filelock import FileLock
+
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        build(tmp)
-        tmp.chmod(0o755)
-        if target.exists():  # another rank or process finished first
+    with FileLock(target.parent / f".{target.name}.lock"):
+        if (target / "config.json").is_file():  # another rank or process built it while this one waited
             return
-        os.replace(tmp, target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        if target.exists():
+            raise ConfigError(f"{target} exists but holds no config.json (not written by gapo, which renames "
+                              "only complete models into place): remove it and run again")
+        log.info("building %s (once; other processes wait for it)", target)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+        try:
+            with torch.random.fork_rng(devices=[]):
+                build(tmp)
+            tmp.chmod(0o755)
+            os.replace(tmp, target)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp)
 
 
 def _build_smollm2(out: Path) -> None:

@@ -99,6 +99,10 @@ def plan(cfg: Config, nproc: int) -> Plan:
     scale("rollout.max_new_tokens", min(r.max_new_tokens, NEW_TOKENS))
     scale("eval.max_new_tokens", min(ev.max_new_tokens or r.max_new_tokens, NEW_TOKENS))
     scale("data.max_prompt_tokens", min(d.max_prompt_tokens, PROMPT_TOKENS))
+    if t.max_tokens_per_micro_batch:  # as many longest rollouts per micro-batch as the real budget holds
+        longest = tree["data"]["max_prompt_tokens"] + tree["rollout"]["max_new_tokens"]
+        per = t.max_tokens_per_micro_batch // (d.max_prompt_tokens + r.max_new_tokens)
+        scale("trainer.max_tokens_per_micro_batch", per * longest)
     start = 0
     if t.resume_from:  # two steps past the checkpoint (a resumed run counts on from its step)
         from gapo.trainer import checkpoint

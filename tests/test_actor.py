@@ -38,3 +38,16 @@ def test_actor_accumulates_in_fp32_and_skips_a_nan_step(tmp_path, dtype, stage, 
         # good, NaN, good ends exactly where good, good does: the optimizer state (Adam moments, step count)
         # did not see the NaN step either
         assert res["same_end"]
+
+
+def test_zero3_gathers_the_vocab_head_once_per_forward_and_once_per_backward(tmp_path):
+    """Six logit chunks used to mean six all-gathers of the (tied) head in forward and as many again when
+    backward recomputes them (7 and 20 with the embedding's own, measured before the change)."""
+    out = tmp_path / "gathers"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                        "tests/dist_head_gather_check.py", str(out)], cwd=ROOT, env=ENV, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    for rank in range(2):
+        res = json.loads(Path(f"{out}.{rank}").read_text())
+        assert res["chunks"] == 6 and (res["forward"], res["total"]) == (1, 2), res

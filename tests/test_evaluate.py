@@ -49,15 +49,31 @@ def test_model_path_resolution(tmp_path):
 def test_gapo_eval_end_to_end_on_two_benchmark_files(tmp_path, small_sums, shared_data):
     math500 = shared_data("math/math500.json")  # first: a skip must come before the engine starts
     out = tmp_path / "eval"
+    ifeval = tmp_path / "input_data.jsonl"  # Google's layout; scored by IFEval's checkers, never as math
+    records = [(1, "Say hi without commas.", ["punctuation:no_comma"], [{}]),
+               (2, "Say hi in under 50 words.", ["length_constraints:number_words"],
+                [{"num_words": 50, "relation": "less than"}])]
+    ifeval.write_text("".join(json.dumps({"key": k, "prompt": p, "instruction_id_list": ids, "kwargs": kw}) + "\n"
+                              for k, p, ids, kw in records))
+    punkt = tmp_path / "nltk_data" / "tokenizers" / "punkt_tab" / "english"  # an untrained stand-in for the model
+    punkt.mkdir(parents=True)
+    for name in ("collocations.tab", "sent_starters.txt", "abbrev_types.txt", "ortho_context.tab"):
+        (punkt / name).write_text("")
     r = subprocess.run([str(BIN / "gapo-eval"), "--model", "tiny-qwen2", "--benchmarks",
-                        f"math500={math500},sums={small_sums}", "--limit", "8", "--n", "8",
+                        f"math500={math500},sums={small_sums},ifeval={ifeval}", "--limit", "8", "--n", "8",
                         "--temperature", "1.0", "--max-new-tokens", "24", "--dtype", "float32", "--out", str(out)],
-                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+                       cwd=ROOT, env={**ENV, "NLTK_DATA": str(tmp_path / "nltk_data")}, capture_output=True,
+                       text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
-    assert "pass@8" in r.stdout and "sums" in r.stdout and "mean" in r.stdout
+    assert "pass@8" in r.stdout and "sums" in r.stdout and "mean (no ifeval)" in r.stdout
+    assert "ifeval: prompt-level strict" in r.stdout
     res = json.loads((out / "results.json").read_text())["metrics"]
     rows = [json.loads(x) for x in (out / "per_problem.jsonl").read_text().splitlines()]
-    assert len(rows) == 16 and {x["benchmark"] for x in rows} == {"math500", "sums"}
+    assert {x["benchmark"] for x in rows} == {"math500", "sums", "ifeval"} and len(rows) == 18
+    assert res["val/ifeval/prompt_strict"] == res["val/ifeval/pass@1"]
+    assert 0 <= res["val/ifeval/inst_strict"] <= res["val/ifeval/inst_loose"] <= 1
+    assert res["val/mean/pass@1"] == pytest.approx((res["val/math500/pass@1"] + res["val/sums/pass@1"]) / 2)
+    rows = [x for x in rows if x["benchmark"] != "ifeval"]
     for bench in ("math500", "sums"):
         mine = [x for x in rows if x["benchmark"] == bench]
         assert res[f"val/{bench}/pass@1"] == pytest.approx(sum(x["correct"] for x in mine) / (8 * len(mine)))
@@ -79,7 +95,7 @@ def hub_fails(monkeypatch):
 
     calls = []
 
-    def load_dataset(name, split=None, **kwargs):
+    def load_dataset(name, *args, **kwargs):  # any configuration / split arguments
         calls.append(name)
         raise ConnectionError("no network in this test")
 
@@ -171,3 +187,82 @@ def test_arithmetic_benchmark_is_held_out_from_training_and_follows_its_levels()
     name, kind, probs = load_benchmark("arithmetic", 60, exclude=train, levels=["add_small"])
     assert (name, kind, len(probs)) == ("arithmetic", "math", 60)
     assert all(p.meta["level"] == "add_small" for p in probs) and not {p.question for p in probs} & train
+
+
+# --- date windows (LiveCodeBench v5 = 2024-08-01..2025-02-01, paper Table 2) ------------------------------------
+DATED = ["2024-07-31T23:59:00", "2024-08-01T00:00:00", "2025-01-31T12:00:00", "2025-02-01T00:00:00",
+         "2025-02-01T10:00:00", "2025-03-01"]
+
+
+@pytest.fixture
+def lcb_file(tmp_path) -> Path:
+    f = tmp_path / "lcb.jsonl"
+    f.write_text("".join(json.dumps({"id": d, "problem": f"p{i}", "tests": "[]", "contest_date": d}) + "\n"
+                         for i, d in enumerate(DATED)))
+    return f
+
+
+def test_window_keeps_both_ends_as_livecodebench_does(lcb_file):
+    from gapo.evaluate import load_benchmark
+
+    name, kind, probs = load_benchmark(f"livecodebench@2024-08-01:2025-02-01={lcb_file}")
+    # inclusive at both ends, the end date at 00:00 (LiveCodeBench's --start_date/--end_date comparison)
+    assert (name, kind, [p.uid for p in probs]) == (
+        "livecodebench", "code", ["2024-08-01T00:00:00", "2025-01-31T12:00:00", "2025-02-01T00:00:00"])
+    assert [p.uid for p in load_benchmark(f"livecodebench@2025-02-01:={lcb_file}")[2]] == DATED[3:]
+    assert [p.uid for p in load_benchmark(f"livecodebench@:2024-08-01={lcb_file}")[2]] == DATED[:2]
+    assert len(load_benchmark(f"livecodebench@2024-08-01:2025-02-01={lcb_file}", limit=2)[2]) == 2  # limit after
+
+
+def test_window_reads_a_date_inside_metadata_and_aware_times(tmp_path):
+    from gapo.evaluate import load_benchmark
+
+    f = tmp_path / "dc.json"
+    f.write_text(json.dumps([
+        {"problem": "a", "tests": "[]", "metadata": json.dumps({"contest_date": "2024-09-01T00:00:00"})},
+        {"problem": "b", "tests": "[]", "metadata": {"contest_date": "2024-01-01"}},
+        {"problem": "c", "tests": "[]", "contest_date": "2025-02-01T01:00:00+02:00"},  # 2025-01-31T23:00 UTC
+    ]))
+    assert [p.question for p in load_benchmark(f"livecodebench@2024-08-01:2025-02-01={f}")[2]] == ["a", "c"]
+
+
+@pytest.mark.parametrize("window, message", [
+    ("2024-08-01", "must be START:END"),
+    (":", "must be START:END"),
+    ("2024-13-01:2025-02-01", "window start '2024-13-01' is not a date YYYY-MM-DD"),
+    ("2024-08-01:Feb 2025", "window end 'Feb 2025' is not a date"),
+    ("2025-02-01:2024-08-01", r"starts \(2025-02-01\) after it ends \(2024-08-01\)"),
+    ("2030-01-01:2031-01-01", "no problem in the window .* dated 2024-07-31 to 2025-03-01"),
+])
+def test_bad_windows_are_refused_naming_the_spec(lcb_file, window, message):
+    from gapo.config import ConfigError
+    from gapo.evaluate import load_benchmark
+
+    with pytest.raises(ConfigError, match=message) as err:
+        load_benchmark(f"livecodebench@{window}={lcb_file}")
+    assert "livecodebench@" in str(err.value)
+
+
+def test_window_on_records_without_a_date_names_the_field_and_the_way_out(tmp_path):
+    from gapo.config import ConfigError
+    from gapo.evaluate import load_benchmark
+
+    f = tmp_path / "lcbv5_test.json"
+    f.write_text(json.dumps([{"problem": "a", "tests": "[]", "metadata": "{}"}]))
+    with pytest.raises(ConfigError) as err:
+        load_benchmark(f"livecodebench@2024-08-01:2025-02-01={f}")
+    for part in (str(f), "item 0", "no field 'contest_date'", "metadata.contest_date", "livecodebench=PATH"):
+        assert part in str(err.value), (part, str(err.value))
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([{"problem": "a", "tests": "[]", "contest_date": "last week"}]))
+    with pytest.raises(ConfigError, match="contest_date='last week' is not an ISO date"):
+        load_benchmark(f"livecodebench@2024-08-01:2025-02-01={bad}")
+    with pytest.raises(ConfigError, match="unknown benchmark 'chess'"):
+        load_benchmark("chess@2024-08-01:2025-02-01")
+
+
+def test_deepcoder_validates_and_reports_on_the_lcb_v5_window():
+    from gapo.config import load_config
+
+    ev = load_config("deepcoder").eval
+    assert ev.benchmarks[0] == ev.protocol.benchmarks[0] == "livecodebench@2024-08-01:2025-02-01"

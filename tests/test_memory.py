@@ -1,7 +1,6 @@
 """The per-GPU memory plan: the issue's anchors for the paper's configs, and the arithmetic by hand."""
 
 from dataclasses import replace
-from types import SimpleNamespace
 
 import pytest
 
@@ -43,8 +42,11 @@ def test_qwen_math_fits_at_about_55_of_80_gb():
     assert "fits" in text and "NOT" not in text and "waves" not in text
 
 
+EIGHT_ROLLOUTS = ["trainer.max_tokens_per_micro_batch=null"]  # micro-batches of 8 rollouts, not a token budget
+
+
 def test_r1_distill_at_24k_tokens_does_not_fit_in_80_gb():
-    cfg = load_config("r1_distill_math")
+    cfg = load_config("r1_distill_math", EIGHT_ROLLOUTS)
     assert (cfg.rollout.max_new_tokens, cfg.trainer.micro_batch_size) == (24576, 8)
     plan = memory_plan(cfg, R1, world=8, device_gb=80)
     assert 40 <= plan.activations / GiB <= 60
@@ -57,9 +59,18 @@ def test_r1_distill_at_24k_tokens_does_not_fit_in_80_gb():
     assert "vLLM will preempt / run in waves" in text
 
 
+@pytest.mark.parametrize("config", ["r1_distill_math", "deepcoder"])
+def test_long_context_configs_as_shipped_fit_by_their_own_plan(config):
+    cfg = load_config(config)
+    plan = memory_plan(cfg, R1, world=8, device_gb=80)
+    assert cfg.trainer.max_tokens_per_micro_batch and plan.micro_batch_tokens == cfg.trainer.max_tokens_per_micro_batch
+    assert plan.fits(80), format_plan(plan, 80)
+
+
 def test_sleep_mode_lowers_the_peak_to_the_larger_phase():
-    awake = memory_plan(load_config("r1_distill_math"), R1, world=8)
-    asleep = memory_plan(load_config("r1_distill_math", ["rollout.sleep_between_steps=true"]), R1, world=8)
+    awake = memory_plan(load_config("r1_distill_math", EIGHT_ROLLOUTS), R1, world=8)
+    asleep = memory_plan(load_config("r1_distill_math", [*EIGHT_ROLLOUTS, "rollout.sleep_between_steps=true"]), R1,
+                         world=8)
     assert awake.total == awake.training == awake.vllm_total + asleep.training  # vLLM's share adds up
     assert asleep.total == max(asleep.generation, asleep.training) == asleep.training
     assert asleep.total == awake.total - awake.vllm_total
@@ -142,10 +153,9 @@ def test_a_kv_cache_smaller_than_one_sequence_is_flagged():
 
 
 def test_a_token_budget_sets_the_micro_batch_size():
-    cfg = load_config("r1_distill_math")
+    cfg = load_config("r1_distill_math", ["trainer.max_tokens_per_micro_batch=null"])
     assert micro_batch_shape(cfg) == (8 * 25600, 25600)
-    budgeted = SimpleNamespace(**{k: getattr(cfg, k) for k in type(cfg).model_fields})
-    budgeted.trainer = SimpleNamespace(**cfg.trainer.model_dump(), max_tokens_per_micro_batch=32768)
+    budgeted = load_config("r1_distill_math")  # as shipped: a budget of 32,768 tokens
     assert micro_batch_shape(budgeted) == (32768, 25600)
     plan = memory_plan(budgeted, R1, world=8)
     assert plan.micro_batch_tokens == 32768

@@ -15,8 +15,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
-from gapo.config import load_config
+from gapo.config import load_config, resolve
 from gapo.models import check_context_budget
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -182,6 +183,7 @@ def test_every_config_rehearses(config, tmp_path):
         assert all(x["first_minibatch/max_abs_log_ratio"] == 0.0 for x in rows)
     assert all(x["skipped_steps"] == 0 for x in rows)
     assert (run / "checkpoints").is_dir() and (run / "rehearsal.md").is_file()
+    assert "peak per GPU" in (run / "memory_plan.txt").read_text()  # every run logs its plan
 
 
 def test_intervention_branch_rehearses_from_a_rehearsed_checkpoint(tmp_path):
@@ -219,3 +221,14 @@ def test_deepcoder_rehearses_on_its_three_source_formats(tmp_path):
 
     for p in load_problems(str(run / "data_sample.jsonl")):
         assert [r.reward for r in score_code([f"```python\n{p.meta['solutions'][0]}```"], p.gold)] == [1.0], p.uid
+
+
+@pytest.mark.parametrize("config", PAPER)
+def test_print_config_shows_the_memory_plan_and_stays_a_config(config, capsys):
+    from gapo.cli import train_main
+
+    assert train_main(["--config", config, "--nproc", "8", "--print-config"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^#   peak per GPU +[\d.]+  of 80.0 GB: fits$", out, re.M), out[-1500:]
+    assert "8 rank(s)" in out
+    assert resolve(yaml.safe_load(out)) == load_config(config)  # the plan is comments: the YAML is unchanged

@@ -3,6 +3,7 @@ vLLM engine is checked against in the tests. Slow (no paged KV cache, no continu
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 import torch
@@ -11,12 +12,20 @@ from torch import Tensor
 from gapo.rollout.types import Rollout, SamplingConfig
 
 
+def engine_device() -> torch.device:
+    """This rank's GPU (torchrun's LOCAL_RANK: one rank per GPU of the node), or the CPU without CUDA."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
 class HFEngine:
     def __init__(self, model_dir: str, *, dtype: torch.dtype = torch.float32):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        self.device = engine_device()
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(self.device).eval()
         self.params = dict(self.model.named_parameters(remove_duplicate=False))  # tied names too
 
     @torch.no_grad()
@@ -27,8 +36,10 @@ class HFEngine:
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         groups = []
         for prompt, seed in zip(prompts, seeds, strict=True):
-            ids = torch.tensor([prompt])
-            with torch.random.fork_rng():  # a per-request seed, as vLLM's SamplingParams(seed=...)
+            ids = torch.tensor([prompt], device=self.device)
+            # A per-request seed, as vLLM's SamplingParams(seed=...); on GPU the sampling draws from this
+            # device's generator, which fork_rng must then save and restore too.
+            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
                 torch.manual_seed(seed)
                 out = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
                                           temperature=sampling.temperature, top_p=sampling.top_p, top_k=0,
@@ -51,5 +62,6 @@ class HFEngine:
 
     @torch.no_grad()
     def push_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+        """copy_ moves each tensor to the engine's device, whichever device the trainer gathered it on."""
         for name, tensor in weights:
             self.params[name].copy_(tensor)

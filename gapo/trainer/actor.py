@@ -106,6 +106,33 @@ class MicroBatch:
                        shared=None if self.shared is None else replace(self.shared, **moved(self.shared)))
 
 
+def micro_batch_rows(lengths: list[int], max_rows: int, max_tokens: int | None, count: int | None = None
+                     ) -> list[list[int]]:
+    """Which rollouts (indices into `lengths`, their prompt + response lengths) go into each micro-batch.
+
+    Without a token budget: consecutive runs of `max_rows`. With one: longest first, each micro-batch takes
+    rollouts while rows x its longest sequence (the padded tensor the decoder runs) stays within `max_tokens`,
+    so a 24k-token rollout gets a micro-batch to itself and short ones share theirs without its padding.
+    `count`: split the largest micro-batches in two until there are that many (under ZeRO every rank must run
+    the same number of forwards; the ranks agree on the largest count)."""
+    if max_tokens is None:
+        bins = [list(range(i, min(i + max_rows, len(lengths)))) for i in range(0, len(lengths), max_rows)]
+    else:
+        bins = []
+        for i in sorted(range(len(lengths)), key=lambda j: -lengths[j]):
+            if bins and len(bins[-1]) < max_rows and (len(bins[-1]) + 1) * lengths[bins[-1][0]] <= max_tokens:
+                bins[-1].append(i)
+            else:
+                bins.append([i])
+    while count is not None and len(bins) < count:
+        j = max(range(len(bins)), key=lambda b: len(bins[b]))
+        if len(bins[j]) < 2:
+            raise ValueError(f"cannot split {len(lengths)} rollouts into {count} micro-batches")
+        half = len(bins[j]) // 2
+        bins[j:j + 1] = [bins[j][:half], bins[j][half:]]
+    return bins
+
+
 def _decode(base: torch.nn.Module, mb: MicroBatch) -> tuple[Tensor, Tensor]:
     """Last hidden states [B, L', H] and, for each response token, its row in them [B, T].
 
@@ -193,9 +220,10 @@ def response_logprobs(base: torch.nn.Module, head: torch.nn.Module, mb: MicroBat
     rows, cols = mb.resp_mask.nonzero(as_tuple=True)
     hr = h[rows, resp_pos[rows, cols]]  # [N, H], N = response tokens
     targets = mb.resp_ids[rows, cols]
-    # Under ZeRO-3 every call of the head all-gathers its weight, a collective: all ranks must make the same
-    # number of calls, so the chunk count is agreed on, and a rank with fewer (or no) tokens projects one
-    # real hidden row and drops it (it also keeps the loss attached to the graph when a micro-batch is empty).
+    # Under ZeRO-3 the head's weight is gathered once for the whole forward (Policy registers it), but each chunk
+    # still enters the head module's ZeRO hooks: all ranks make the same number of calls, so the chunk count is
+    # agreed on, and a rank with fewer (or no) tokens projects one real hidden row and drops it (it also keeps
+    # the loss attached to the graph when a micro-batch is empty).
     n_chunks = torch.tensor(max(1, math.ceil(hr.shape[0] / (chunk or LOGIT_CHUNK))), device=hr.device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(n_chunks, op=dist.ReduceOp.MAX)
@@ -233,6 +261,11 @@ class Policy(torch.nn.Module):
     def __init__(self, lm: torch.nn.Module):
         super().__init__()
         self.lm = lm
+        head = lm.get_output_embeddings().weight
+        if hasattr(head, "ds_id"):  # ZeRO-3: gather the head once per forward (and once per backward) for all
+            import deepspeed  # of its logit chunks, not once per chunk (~1,300 all-gathers a step at 24k tokens)
+
+            deepspeed.zero.register_external_parameter(self, head)
 
     def forward(self, mb: MicroBatch, temperature: float, entropy: bool = False) -> tuple[Tensor, Tensor | None]:
         return response_logprobs(self.lm.get_decoder(), self.lm.get_output_embeddings(), mb, temperature,
@@ -264,7 +297,7 @@ class Actor:
             "train_batch_size": t.micro_batch_size * micro_per_step * self.world,
             "gradient_clipping": t.grad_clip,
             "bf16": {"enabled": bf16},
-            "zero_optimization": {"stage": self.zero_stage, "stage3_param_persistence_threshold": 0},
+            "zero_optimization": {"stage": self.zero_stage},  # small params (norms) stay whole: fewer gathers
             "wall_clock_breakdown": False,
         }
         if bf16:

@@ -6,7 +6,7 @@ Layout of a run directory:
         ds/                 DeepSpeed engine state (model, optimizer, LR scheduler), one shard per rank
         hf/                 the policy as a Hugging Face model + tokenizer (gapo-eval, vLLM, transformers)
         trainer.json        step, sampler position, wandb id, parent run, world size
-        rng_rank{r}.pt      python / numpy / torch RNG states of every rank
+        rng_rank{r}.pt      python / numpy / torch (and CUDA, on GPU) RNG states of every rank
         config.yaml         the resolved config that wrote it
     <output_dir>/checkpoints/latest      name of the newest complete checkpoint
 
@@ -18,6 +18,7 @@ All ranks must share the filesystem (one node, or a shared mount on several).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import shutil
@@ -30,6 +31,8 @@ import torch.distributed as dist
 import yaml
 
 from gapo.config import Config, ConfigError, dump_config, resolve
+
+log = logging.getLogger("gapo.checkpoint")
 
 LATEST = "latest"
 # What may differ between a checkpoint's config and the run that resumes it. Anything else (the model,
@@ -82,8 +85,7 @@ def save(actor, tokenizer, cfg: Config, state: TrainerState, run_dir: Path) -> P
         tmp.mkdir(parents=True)
     dist.barrier()
     actor.engine.save_checkpoint(str(tmp / "ds"), tag="state", save_latest=False)
-    torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
-               tmp / f"rng_rank{rank}.pt")
+    torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
     # Collective under ZeRO-3 (full tensors on rank 0 only); keys lose the Policy wrapper's "lm." prefix.
     full = actor.engine._zero3_consolidated_16bit_state_dict() if actor.zero_stage == 3 \
         else actor.engine.module.state_dict()
@@ -175,10 +177,34 @@ def load(actor, ckpt: Path) -> None:
     rng_file = ckpt / f"rng_rank{rank}.pt"
     if not rng_file.is_file():
         raise ConfigError(f"checkpoint {ckpt}: {rng_file.name} is missing")
-    rng = torch.load(rng_file, weights_only=False)
-    random.setstate(rng["python"])
-    np.random.set_state(rng["numpy"])
-    torch.set_rng_state(rng["torch"])
+    set_rng_state(torch.load(rng_file, weights_only=False))
+
+
+def rng_state() -> dict:
+    """Every generator a step draws from. On GPU that includes the CUDA generators (dropout, a sampling
+    fallback, anything seeded through torch.manual_seed), one state per visible device."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """The inverse of rng_state. A checkpoint without CUDA states (written on CPU) leaves the CUDA generators
+    as seeded; one written with a different number of visible devices cannot be mapped device to device,
+    so those are left as seeded too, with a warning."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    cuda = state.get("cuda")
+    if cuda is None:
+        return
+    devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if devices != len(cuda):
+        log.warning("checkpoint holds CUDA RNG states for %d devices, this process sees %d: CUDA generators "
+                    "keep their seeded state", len(cuda), devices)
+        return
+    torch.cuda.set_rng_state_all(cuda)
 
 
 def truncate_metrics(run_dir: Path, step: int) -> None:

@@ -26,12 +26,13 @@ from tqdm import tqdm
 from gapo.config import Config, ConfigError
 from gapo.data import Sampler, load_training_set, stop_token_ids, tokenize_problems
 from gapo.evaluate import evaluate, load_benchmark, summary, write_results
+from gapo.memory import plan_text
 from gapo.models import check_context_budget, resolve_model
 from gapo.reward.registry import score_groups
 from gapo.rollout.types import Rollout, SamplingConfig
 from gapo.tracking import Tracker
 from gapo.trainer import checkpoint
-from gapo.trainer.actor import Actor, MicroBatch
+from gapo.trainer.actor import Actor, MicroBatch, micro_batch_rows
 from gapo.trainer.losses import (
     RolloutStats,
     StepNorm,
@@ -140,10 +141,24 @@ def train(cfg: Config) -> Path:
         raise ConfigError(f"trainer.output_dir={run_dir} already holds a run: continue it with --resume {run_dir}, "
                           "or choose another output_dir")
 
-    # --- model, data, engine, actor ---------------------------------------------------------------
+    # --- memory plan: from config.json alone, so a run that cannot fit stops before anything loads ---------
+    device_gb = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30 \
+        if torch.cuda.is_available() else None
+    plan, fits = plan_text(cfg, world, device_gb)
+    if device_gb and not fits and t.check_memory:  # GPU only; unverified here
+        raise ConfigError(f"{plan}\nThe run does not fit this GPU: set trainer.max_tokens_per_micro_batch, lower "
+                          "rollout.gpu_memory_utilization or turn on rollout.sleep_between_steps (or start anyway "
+                          "with trainer.check_memory=false: the plan is an estimate)")
     if rank == 0:
-        model_dir = str(resolve_model(cfg.model.path))  # builds a built-in model once
-    dist.barrier()
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "memory_plan.txt").write_text(plan + "\n")
+        if device_gb:
+            log.info("%s", plan)
+
+    # --- model, data, engine, actor ---------------------------------------------------------------
+    # Every rank resolves: a file lock in gapo.models lets one process per filesystem build or download
+    # while the others wait on it, with no barrier that a long download could time out. (datasets locks
+    # its own cache the same way.)
     model_dir = str(resolve_model(cfg.model.path))
     check_context_budget(cfg, cfg.model.path)
     from transformers import AutoTokenizer
@@ -245,16 +260,25 @@ def train(cfg: Config) -> Path:
 
         # --- 3. old log-probs (and entropy, engine/trainer mismatch) ------------------------------
         tic = time.perf_counter()
-        mbs = [MicroBatch.pack([x.prompt_ids for x in rollouts[i:i + t.micro_batch_size]],
-                               [x.response_ids for x in rollouts[i:i + t.micro_batch_size]], pad_id,
-                               share_prompts=share_prompts)
-               for i in range(0, len(rollouts), t.micro_batch_size)]
+        # Micro-batches per mini-batch (rollout indices), by count or by token budget; every rank runs the
+        # largest count any rank needs, since each forward is a collective under ZeRO-3.
+        lengths = [len(x.prompt_ids) + len(x.response_ids) for x in rollouts]
+        starts = range(0, len(rollouts), mini_per_rank)
+        counts = torch.tensor([len(micro_batch_rows(lengths[m0:m0 + mini_per_rank], t.micro_batch_size,
+                                                    t.max_tokens_per_micro_batch)) for m0 in starts])
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+        minis = [[torch.tensor(b) + m0 for b in micro_batch_rows(lengths[m0:m0 + mini_per_rank], t.micro_batch_size,
+                                                                 t.max_tokens_per_micro_batch, int(n))]
+                 for m0, n in zip(starts, counts, strict=True)]
+        rows = [b for mini in minis for b in mini]  # per micro-batch: its rollouts' indices
+        mbs = [MicroBatch.pack([rollouts[j].prompt_ids for j in b], [rollouts[j].response_ids for j in b], pad_id,
+                               share_prompts=share_prompts) for b in rows]
         eng_logps = []
-        for i, mb in enumerate(mbs):
-            mb.resp_mask[~keep[i * t.micro_batch_size:(i + 1) * t.micro_batch_size]] = 0
+        for mb, b in zip(mbs, rows, strict=True):
+            mb.resp_mask[~keep[b]] = 0
             eng = torch.zeros(mb.resp_mask.shape)
-            for b, x in enumerate(rollouts[i * t.micro_batch_size:(i + 1) * t.micro_batch_size]):
-                eng[b, :len(x.logprobs)] = torch.tensor(x.logprobs)
+            for q, j in enumerate(b.tolist()):
+                eng[q, :len(rollouts[j].logprobs)] = torch.tensor(rollouts[j].logprobs)
             eng_logps.append(eng.to(actor.device))
         mbs = [mb.to(actor.device) for mb in mbs]
         old_logps, ref_logps, entropy_sum, kl_ref_sum, mismatch = [], [], 0.0, 0.0, []
@@ -278,33 +302,36 @@ def train(cfg: Config) -> Path:
         # --- 4. updates: epochs x mini-batches, each an optimizer step over micro-batches ----------
         tic = time.perf_counter()
         stats: list[RolloutStats] = []
+        stat_rows: list[Tensor] = []  # the rollouts each entry of `stats` is about
         grad_norms: list[float] = []
         first_dev: list[Tensor] = []  # |log pi - log pi_old| on the step's first mini-batch (pi = pi_old there)
         skipped = 0
-        mbs_per_mini = mini_per_rank // t.micro_batch_size
+        ends = np.cumsum([len(mini) for mini in minis]).tolist()
         for epoch in range(t.ppo_epochs):
-            for m0 in range(0, len(mbs), mbs_per_mini):
-                idx = range(m0, m0 + mbs_per_mini)
+            for m0, m1 in zip([0, *ends[:-1]], ends, strict=True):
+                idx = range(m0, m1)
                 tokens = torch.tensor([sum(float(mbs[i].resp_mask.sum()) for i in idx),
                                        sum(float(mbs[i].resp_mask.any(-1).sum()) for i in idx)], device=actor.device)
                 dist.all_reduce(tokens)  # the normaliser is the whole optimizer step's, over all ranks
                 norm = StepNorm(tokens=max(float(tokens[0]), 1.0), seqs=max(float(tokens[1]), 1.0),
                                 constant=a.loss_constant)
                 for i in idx:
-                    sl = slice(i * t.micro_batch_size, (i + 1) * t.micro_batch_size)
+                    b = rows[i]
+                    actor.engine.set_gradient_accumulation_boundary(i == m1 - 1)  # counts can differ per mini-batch
                     logp, _ = actor.engine(mbs[i], r.temperature)
                     if epoch == 0 and m0 == 0:  # still the weights that sampled: the IS ratio must be 1
                         dev = (logp.detach() - old_logps[i])[mbs[i].resp_mask.bool()].cpu()
                         first_dev.append(dev.abs())
                         if r.use_engine_logprobs:
                             mismatch.append(dev)
-                    loss, st = policy_loss(logp, old_logps[i], mbs[i].resp_mask, ga.adv[sl], ga.c[sl], ga.k[sl],
-                                           a.eps_lo, eps_hi[sl], norm, is_level=a.is_level, clip_rule=a.clip,
+                    loss, st = policy_loss(logp, old_logps[i], mbs[i].resp_mask, ga.adv[b], ga.c[b], ga.k[b],
+                                           a.eps_lo, eps_hi[b], norm, is_level=a.is_level, clip_rule=a.clip,
                                            loss_agg=a.loss_agg)
                     if a.kl_coef > 0:
                         loss = loss + a.kl_coef * kl_penalty(logp, ref_logps[i], mbs[i].resp_mask, norm)
                     applied = actor.backward(loss)
                     stats.append(st)
+                    stat_rows.append(b)
                 if applied:
                     grad_norms.append(actor.grad_norm())
                     skipped_in_a_row = 0
@@ -336,7 +363,7 @@ def train(cfg: Config) -> Path:
                  "tokens": float(sum(float(mb.resp_mask.sum()) for mb in mbs)), "timings": timings}
         if t.log_rollouts:
             local["records"] = rollout_records(step, rank, [batch[j] for j in mine], problems, groups, flat_results,
-                                               ga, eps_hi, stats, t.micro_batch_size)
+                                               ga, eps_hi, stats, stat_rows)
         parts = gather(local)
         if rank == 0:
             metrics = step_metrics(parts, a.is_level, grad_norm, lr, a.correct_threshold)
@@ -368,17 +395,15 @@ def train(cfg: Config) -> Path:
     return run_dir
 
 
-def rollout_records(step, rank, prompt_idx, problems, groups, results, ga, eps_hi, stats, micro) -> list[dict]:
+def rollout_records(step, rank, prompt_idx, problems, groups, results, ga, eps_hi, stats, stat_rows) -> list[dict]:
     """One JSON record per rollout: what was sampled, how it scored, and every update's IS ratio and clip
     decision for it (in update order), so a reader can audit the clipping of any single rollout."""
-    n = len(results)
-    updates: list[list[dict]] = [[] for _ in range(n)]
-    for j, st in enumerate(stats):  # stats come per micro-batch, epochs in order
-        base = (j * micro) % n
-        for b in range(st.adv.numel()):
-            updates[base + b].append({"is_ratio": float(torch.exp(st.seq_log_ratio[b])),
-                                      "clip_hi_tokens": int(st.clip_hi_tokens[b]),
-                                      "clip_lo_tokens": int(st.clip_lo_tokens[b])})
+    updates: list[list[dict]] = [[] for _ in results]
+    for st, rows in zip(stats, stat_rows, strict=True):  # per micro-batch, epochs in order
+        for b, j in enumerate(rows.tolist()):
+            updates[j].append({"is_ratio": float(torch.exp(st.seq_log_ratio[b])),
+                               "clip_hi_tokens": int(st.clip_hi_tokens[b]),
+                               "clip_lo_tokens": int(st.clip_lo_tokens[b])})
     out = []
     k = len(groups[0])
     for i, res in enumerate(results):

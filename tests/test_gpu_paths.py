@@ -1,0 +1,259 @@
+"""The GPU-only branches, driven on CPU through their real code: vLLM sleep mode against a recording stand-in
+for vllm.LLM, the transformers engine's device choice, CUDA RNG states in checkpoints with faked CUDA
+functions, and one build of a built-in model when several processes ask for it at once."""
+
+import gc
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from gapo.config import ConfigError
+from gapo.rollout import vllm_engine
+from gapo.rollout.hf_engine import HFEngine, engine_device
+from gapo.rollout.types import SamplingConfig
+from gapo.trainer import checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLING = SamplingConfig(n=1, temperature=1.0, top_p=1.0, max_new_tokens=4)
+
+
+# ------------------------------------------------------------------------------------ vLLM sleep mode
+class FakeLLM:
+    """Records what the engine asks of vLLM, and fails where vLLM 0.32 would misbehave: writing weights
+    into unmapped memory, or generating while any memory sleeps (its scheduler stays paused)."""
+
+    def __init__(self, events: list, kwargs: dict, fully_awake_after_wake: bool = True):
+        self.events, self.kwargs, self.fully_awake = events, kwargs, fully_awake_after_wake
+        self.sleeping: set[str] = set()
+
+    def get_tokenizer(self):
+        return None
+
+    def generate(self, prompts, params, use_tqdm):
+        assert not self.sleeping, f"generate with {self.sleeping} asleep"
+        self.events.append("generate")
+        done = types.SimpleNamespace(token_ids=[7], logprobs=[{7: types.SimpleNamespace(logprob=-0.5)}],
+                                     finish_reason="stop", text="x")
+        return [types.SimpleNamespace(outputs=[done]) for _ in prompts]
+
+    def sleep(self, level):
+        self.events.append(f"sleep:{level}")
+        self.sleeping = {"weights", "kv_cache"}
+
+    def wake_up(self, tags):
+        self.events.append("wake:" + ",".join(tags))
+        self.sleeping -= set(tags)
+        return not self.sleeping and self.fully_awake
+
+    def collective_rpc(self, fn, args=()):
+        def reload_weights(weights_iterator):
+            assert "weights" not in self.sleeping, "weights written into unmapped memory"
+            names = [name for name, _ in weights_iterator]
+            self.events.append("load:" + ",".join(names))
+
+        fn(types.SimpleNamespace(reload_weights=reload_weights), *args)
+
+    def reset_prefix_cache(self):
+        self.events.append("reset_prefix_cache")
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    """(events, build): `build(sleep_mode)` makes a VLLMEngine through its real __init__ over FakeLLM."""
+    events: list[str] = []
+    llms: list[FakeLLM] = []
+    fully_awake = [True]
+
+    def llm(**kwargs):
+        llms.append(FakeLLM(events, kwargs, fully_awake[0]))
+        return llms[-1]
+
+    fake = types.ModuleType("vllm")
+    fake.LLM = llm
+    fake.SamplingParams = lambda **kw: kw
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty_cache"))
+    real_collect = gc.collect
+    monkeypatch.setattr(gc, "collect", lambda *a: (events.append("gc"), real_collect(*a))[1])
+
+    def build(sleep_mode: bool, wake_completes: bool = True):
+        fully_awake[0] = wake_completes
+        engine = vllm_engine.VLLMEngine("unused", dtype="bfloat16", seed=0, max_model_len=64, sleep_mode=sleep_mode)
+        assert llms[-1].kwargs["enable_sleep_mode"] is sleep_mode
+        return engine
+
+    return events, build
+
+
+def weights(events: list):
+    """The trainer's gathered weights, recording when each is produced (ZeRO-3 gathers them lazily)."""
+    for name in ("embed", "head"):
+        events.append(f"gather:{name}")
+        yield name, torch.zeros(2)
+
+
+def test_sleep_cycle_frees_torch_cache_and_wakes_weights_then_kv_cache(fake_vllm):
+    events, build = fake_vllm
+    engine = build(sleep_mode=True)
+    engine.generate([[1, 2]], SAMPLING, seeds=[0])
+    engine.sleep()
+    with pytest.raises(RuntimeError, match="sleeping vLLM engine"):
+        engine.generate([[1, 2]], SAMPLING, seeds=[0])
+    engine.push_weights(weights(events))
+    engine.generate([[1, 2]], SAMPLING, seeds=[0])
+    assert events == ["generate", "sleep:2",
+                      "gc", "empty_cache", "wake:weights",
+                      "gather:embed", "gather:head", "load:embed,head",
+                      "gc", "empty_cache", "wake:kv_cache",
+                      "reset_prefix_cache", "generate"]
+
+
+def test_push_into_an_awake_engine_wakes_nothing(fake_vllm):
+    """Resume pushes the checkpoint's weights into a freshly built (awake) engine."""
+    events, build = fake_vllm
+    engine = build(sleep_mode=True)
+    engine.push_weights(weights(events))
+    assert events == ["gather:embed", "gather:head", "load:embed,head", "reset_prefix_cache"]
+
+
+def test_sleep_needs_sleep_mode_and_a_partial_wake_is_an_error(fake_vllm):
+    events, build = fake_vllm
+    with pytest.raises(RuntimeError, match="sleep_mode=True"):
+        build(sleep_mode=False).sleep()
+    engine = build(sleep_mode=True, wake_completes=False)
+    engine.sleep()
+    with pytest.raises(RuntimeError, match="still reports sleeping memory"):
+        engine.push_weights(weights(events))
+
+
+# -------------------------------------------------------------------------- transformers engine device
+@pytest.mark.parametrize("cuda, local_rank, want", [(False, "3", "cpu"), (True, "3", "cuda:3"), (True, None, "cuda:0")])
+def test_hf_engine_device(monkeypatch, cuda, local_rank, want):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    if local_rank is None:
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+    assert engine_device() == torch.device(want)
+
+
+# ------------------------------------------------------------------------------ CUDA RNG in checkpoints
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """Two fake devices whose RNG states are recorded when set."""
+    states = [torch.arange(4, dtype=torch.uint8), torch.arange(4, 8, dtype=torch.uint8)]
+    restored: list = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [s.clone() for s in states])
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda new: restored.append([s.clone() for s in new]))
+    return states, restored
+
+
+def test_cuda_rng_states_are_saved_and_restored(fake_cuda, tmp_path):
+    states, restored = fake_cuda
+    torch.save(checkpoint.rng_state(), tmp_path / "rng.pt")  # what save() writes
+    expected = (np.random.rand(), torch.rand(3))
+    checkpoint.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=False))
+    assert len(restored) == 1 and all(torch.equal(a, b) for a, b in zip(restored[0], states, strict=True))
+    again = (np.random.rand(), torch.rand(3))
+    assert expected[0] == again[0] and torch.equal(expected[1], again[1])
+
+
+def test_cuda_rng_states_for_another_device_count_are_skipped_with_a_warning(fake_cuda, monkeypatch, caplog):
+    _, restored = fake_cuda
+    state = checkpoint.rng_state()
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    checkpoint.set_rng_state(state)
+    assert restored == []
+    assert "CUDA RNG states for 2 devices, this process sees 1" in caplog.text
+
+
+def test_cpu_checkpoint_has_no_cuda_state_and_loads_on_gpu(fake_cuda, monkeypatch, tmp_path):
+    """A checkpoint written on CPU (before CUDA states existed, or on a CPU machine) resumes on a GPU one:
+    the CUDA generators keep their seeded state."""
+    _, restored = fake_cuda
+    with monkeypatch.context() as cpu:
+        cpu.setattr(torch.cuda, "is_available", lambda: False)
+        assert "cuda" not in checkpoint.rng_state()
+        torch.save(checkpoint.rng_state(), tmp_path / "rng_rank0.pt")
+    expected = torch.rand(3)
+    monkeypatch.setattr(checkpoint.dist, "get_rank", lambda: 0)
+    actor = types.SimpleNamespace(engine=types.SimpleNamespace(load_checkpoint=lambda *a, **k: ("ok", {})))
+    checkpoint.load(actor, tmp_path)
+    assert torch.equal(torch.rand(3), expected)
+    assert restored == []
+
+
+# ---------------------------------------------------------------------------- one build per filesystem
+BUILD = """
+import hashlib, logging, os, sys, time
+from pathlib import Path
+logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+from gapo.models import resolve_model
+gate = Path(sys.argv[1])
+(gate / f"ready-{os.getpid()}").touch()
+while len(list(gate.glob("ready-*"))) < 2:  # both processes ask at the same moment
+    time.sleep(0.01)
+d = resolve_model("tiny-qwen2")
+h = hashlib.sha256()
+for f in sorted(p for p in d.rglob("*") if p.is_file()):
+    h.update(f.relative_to(d).as_posix().encode() + f.read_bytes())
+print(d, h.hexdigest())
+"""
+
+
+@pytest.fixture(scope="module")
+def concurrent_build(tmp_path_factory):
+    cache, gate = tmp_path_factory.mktemp("cache"), tmp_path_factory.mktemp("gate")
+    env = {**os.environ, "GAPO_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", BUILD, str(gate)], cwd=ROOT, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
+    results = [(*p.communicate(timeout=600), p.returncode) for p in procs]
+    return cache, results
+
+
+def test_two_processes_build_a_builtin_model_once(concurrent_build):
+    cache, results = concurrent_build
+    for _, err, code in results:
+        assert code == 0, err[-3000:]
+    seen = [out.strip().splitlines()[-1] for out, _, _ in results]  # (libraries print above it)
+    assert seen[0] == seen[1]  # same directory, same bytes seen by both
+    builds = sum(err.count("gapo.models: building") for _, err, _ in results)
+    assert builds == 1, [err for _, err, _ in results]
+    models = cache / "models"
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in (models / "tiny-qwen2").iterdir()}
+    assert not list(models.glob(".tiny-qwen2-*")), "a temporary build directory was left behind"
+
+
+def test_hf_engine_runs_on_the_cpu_without_cuda(concurrent_build):
+    model_dir = concurrent_build[0] / "models" / "tiny-qwen2"
+    engine = HFEngine(str(model_dir))
+    assert engine.device == torch.device("cpu")
+    before = engine.generate([[1, 2, 3]], SAMPLING, seeds=[5])
+    engine.push_weights((name, p.detach().clone()) for name, p in engine.model.named_parameters())
+    assert engine.generate([[1, 2, 3]], SAMPLING, seeds=[5]) == before
+
+
+def test_a_build_keeps_its_seeds_to_itself_and_refuses_a_foreign_directory(tmp_path):
+    from gapo.models import _atomic_build
+
+    def build(out: Path) -> None:
+        torch.manual_seed(0)
+        (out / "config.json").write_text("{}")
+
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    _atomic_build(tmp_path / "m", build)
+    assert torch.equal(torch.rand(3), expected)
+    assert (tmp_path / "m" / "config.json").is_file()
+    (tmp_path / "half").mkdir()
+    with pytest.raises(ConfigError, match="holds no config.json"):
+        _atomic_build(tmp_path / "half", build)
