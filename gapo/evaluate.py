@@ -50,6 +50,8 @@ class Benchmark:
     kind: str = "math"
     prompt_key: str = "problem"
     answer_key: str = "answer"
+    subset: str | None = None  # the hub dataset's configuration
+    window: str | None = None  # "START:END" when the named set is already cut to that date window
 
 
 BENCHMARKS = {
@@ -59,8 +61,10 @@ BENCHMARKS = {
     "math500": Benchmark("HuggingFaceH4/MATH-500", "test", "math/math500.json"),
     "minerva": Benchmark("math-ai/minervamath", "test", "math/minerva.json"),
     "olympiad_bench": Benchmark("Hothan/OlympiadBench", "train", "math/olympiad_bench.json"),
-    "livecodebench": Benchmark("livecodebench/code_generation_lite", "test", "code/livecodebench.json", "code",
-                               answer_key="tests"),
+    # LiveCodeBench v5 as DeepCoder evaluated it (its lcbv5 test split: 2024-08-01..2025-02-01, tests decoded;
+    # livecodebench/code_generation_lite keeps its private tests compressed and pickled).
+    "livecodebench": Benchmark("agentica-org/DeepCoder-Preview-Dataset", "test", "code/livecodebench.json", "code",
+                               answer_key="tests", subset="lcbv5", window="2024-08-01:2025-02-01"),
     "humaneval_plus": Benchmark("evalplus/humanevalplus", "test", "code/humaneval_plus.json", "code",
                                 prompt_key="prompt", answer_key="test"),
     "leetcode": Benchmark("newfacade/LeetCodeDataset", "test", "code/leetcode.json", "code", answer_key="tests"),
@@ -99,7 +103,8 @@ def load_benchmark(spec: str, limit: int | None = None, exclude: set[str] | None
         raise ConfigError(f"unknown benchmark {name!r}: use one of {', '.join([*BENCHMARKS, 'arithmetic'])} "
                           "or name=path/to/file.jsonl")
     where = path or f"benchmark {name!r}"
-    if bounds:
+    precut = bool(known and known.window and not path and bounds == parse_window(known.window, spec))
+    if bounds and not (precut and all(record_date(p) is None for p in problems)):  # undated: cut already
         problems = in_window(problems, *bounds, where=where, spec=spec)
     if kind == "ifeval":
         ifeval.require_sentence_splitter()
@@ -189,7 +194,7 @@ def _load_named(name: str, known: Benchmark, data_dir: str | Path | None, keys: 
     if not known.hf_id:
         raise ConfigError(f"benchmark {name!r}: {tried_local}, and it has no Hugging Face dataset; {provide}")
     try:
-        return load_problems(known.hf_id, split=known.split, **keys)
+        return load_problems(known.hf_id, split=known.split, subset=known.subset, **keys)
     except ConfigError as err:
         raise ConfigError(f"benchmark {name!r}: {tried_local}, and loading the Hugging Face dataset "
                           f"{known.hf_id!r} (split {known.split!r}) failed: {err}; {provide}") from None

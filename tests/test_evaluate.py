@@ -266,3 +266,30 @@ def test_deepcoder_validates_and_reports_on_the_lcb_v5_window():
 
     ev = load_config("deepcoder").eval
     assert ev.benchmarks[0] == ev.protocol.benchmarks[0] == "livecodebench@2024-08-01:2025-02-01"
+
+
+def test_named_livecodebench_is_deepcoders_v5_cut_and_its_own_window_needs_no_dates(tmp_path, monkeypatch):
+    """By name, livecodebench is DeepCoder's lcbv5 test split, already 2024-08-01..2025-02-01 and undated:
+    the v5 window keeps it whole, another window cannot be applied to it."""
+    import datasets
+
+    from gapo.config import ConfigError
+    from gapo.evaluate import load_benchmark
+
+    records = [{"problem": "a", "tests": "[]", "metadata": "{}"}, {"problem": "b", "tests": "[]", "metadata": "{}"}]
+    asked = []
+
+    def load_dataset(name, subset=None, *, split, **kwargs):
+        asked.append((name, subset, split))
+        return records
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    monkeypatch.delenv("GAPO_DATA_DIR", raising=False)
+    assert len(load_benchmark("livecodebench@2024-08-01:2025-02-01")[2]) == 2
+    assert asked == [("agentica-org/DeepCoder-Preview-Dataset", "lcbv5", "test")]
+    with pytest.raises(ConfigError, match="no field 'contest_date'"):
+        load_benchmark("livecodebench@2024-09-01:2025-02-01")
+    local = tmp_path / "code"
+    local.mkdir()
+    (local / "livecodebench.json").write_text(json.dumps(records[:1]))
+    assert len(load_benchmark("livecodebench@2024-08-01:2025-02-01", data_dir=tmp_path)[2]) == 1

@@ -59,10 +59,10 @@ def test_r1_distill_at_24k_tokens_does_not_fit_in_80_gb():
     assert "vLLM will preempt / run in waves" in text
 
 
-@pytest.mark.parametrize("config", ["r1_distill_math", "deepcoder"])
-def test_long_context_configs_as_shipped_fit_by_their_own_plan(config):
+@pytest.mark.parametrize("config, facts", [("r1_distill_math", R1), ("deepcoder", R1), ("llama_math", LLAMA)])
+def test_long_context_configs_as_shipped_fit_by_their_own_plan(config, facts):
     cfg = load_config(config)
-    plan = memory_plan(cfg, R1, world=8, device_gb=80)
+    plan = memory_plan(cfg, facts, world=8, device_gb=80)
     assert cfg.trainer.max_tokens_per_micro_batch and plan.micro_batch_tokens == cfg.trainer.max_tokens_per_micro_batch
     assert plan.fits(80), format_plan(plan, 80)
 
