@@ -1,0 +1,110 @@
+"""Two real RL steps on one GPU at Qwen2.5-1.5B shape: gapo's loop with the DeepSpeed actor (bf16 weights,
+fp32 gradient accumulation, gradient checkpointing, token-budget micro-batches) and the transformers engine
+generating. Reports update tokens/s, MFU, peak memory against the memory plan's trainer share, and the first
+mini-batch's IS-ratio deviation (must be 0: the update recomputes exactly the old log-probs).
+
+    python bench/gpu/rl_steps.py [--new-tokens 1024] [--prompts 8]     # on a CUDA host, ~5 min on an H200
+    .venv/bin/python bench/gpu/rl_steps.py --cpu-smoke                  # the same code path, toy size, CPU
+
+Needs gapo's Python dependencies except vLLM (the engine here is `rollout.engine=hf`): deepspeed, pydantic,
+pyyaml, tqdm, math-verify (the arithmetic reward) and if-verifiable (imported by gapo.evaluate). Random init:
+the throughput and memory of a step do not depend on the weights, and the device has no network; the tiny
+built-in tokenizer is reused (its ids are a subset of the vocabulary; responses run to max length, the
+worst case for memory). One rank: DeepSpeed runs stage 1 in bf16 (nothing to partition; gapo/trainer/actor.py).
+
+MFU = FLOPs of the training forwards and backwards (6 x params x tokens for the update epochs, 2 x params x
+tokens for the old-log-prob pass) over the `time/train_s + time/old_logprob_s` the loop logged, against the
+H200's dense bf16 peak of 989 TFLOP/s; attention's L^2 term is left out (small at these lengths).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+PEAK_FLOPS = 989e12
+QWEN15 = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+              num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, tie_word_embeddings=True)
+TOY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+           vocab_size=512, max_position_embeddings=2048, tie_word_embeddings=True)
+
+
+def build_model(out: Path, shape: dict) -> int:
+    """A random bf16 Qwen2 of `shape` with the tiny built-in tokenizer; returns its parameter count."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from gapo.models import resolve_model
+
+    tiny = resolve_model("tiny-qwen2")
+    out.mkdir(parents=True, exist_ok=True)
+    for f in tiny.iterdir():
+        if "token" in f.name or f.name.endswith(".jinja"):
+            shutil.copy(f, out / f.name)
+    eos = json.loads((tiny / "config.json").read_text())["eos_token_id"]
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(**shape, eos_token_id=eos, pad_token_id=0)).to(torch.bfloat16)
+    model.save_pretrained(out)
+    return sum(p.numel() for p in model.parameters())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cpu-smoke", action="store_true")
+    ap.add_argument("--new-tokens", type=int, default=1024)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--out", type=Path, default=Path("/tmp/gapo_rl_steps"))
+    args = ap.parse_args()
+    if not args.cpu_smoke and not torch.cuda.is_available():
+        sys.exit("no CUDA device: run with --cpu-smoke for the CPU check of this code path")
+    new = 16 if args.cpu_smoke else args.new_tokens
+    prompts = 2 if args.cpu_smoke else args.prompts
+    shutil.rmtree(args.out, ignore_errors=True)
+    params = build_model(args.out / "model", TOY if args.cpu_smoke else QWEN15)
+
+    from gapo.config import resolve
+    from gapo.memory import memory_plan
+    from gapo.trainer.loop import train
+
+    rollouts = prompts * 8
+    cfg = resolve({
+        "model": {"path": str(args.out / "model"), "dtype": "bfloat16", "gradient_checkpointing": True},
+        "data": {"train": "arithmetic", "max_prompt_tokens": 128},
+        "rollout": {"engine": "hf", "group_size": 8, "prompts_per_step": prompts, "max_new_tokens": new},
+        "reward": {"math_last_number_fallback": True},
+        "trainer": {"output_dir": str(args.out / "run"), "total_steps": 2, "zero_stage": 3, "lr": 1e-6,
+                    "ppo_mini_batch_size": rollouts // 2, "micro_batch_size": 8,
+                    "max_tokens_per_micro_batch": 4 * (128 + new)},
+        "tracking": {"wandb": False},
+    })
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    train(cfg)
+    rows = [json.loads(x) for x in (args.out / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [x for x in rows if "reward/mean" in x]
+    facts = json.loads((args.out / "model" / "config.json").read_text())
+    plan = memory_plan(cfg, facts, world=1, device_gb=141.0)
+    # The transformers engine holds its own bf16 weights (the plan's vLLM weights) but neither vLLM's reserve nor
+    # a preallocated KV cache; its generation cache is transient and not in the plan.
+    predicted = plan.training - plan.vllm_reserve - plan.kv_cache_given
+    print(f"model: {params / 1e9:.2f} B params, {rollouts} rollouts x <= {new} new tokens per step, 2 steps")
+    for x in rows:
+        tokens = x["response/len_mean"] * rollouts  # response tokens only (the ~40-token prompts are left out)
+        seconds = x["time/train_s"] + x["time/old_logprob_s"]
+        mfu = (6 * cfg.trainer.ppo_epochs + 2) * params * tokens / seconds / PEAK_FLOPS
+        print(f"step {x['step']}: update {tokens / x['time/train_s']:,.0f} tokens/s, MFU {mfu:.1%}, "
+              f"first mini-batch max |log ratio| {x['first_minibatch/max_abs_log_ratio']:g}, "
+              f"generate {x['time/generate_s']:.1f} s")
+    if torch.cuda.is_available():
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        print(f"peak allocated {peak:.1f} GiB; memory plan (actor + engine weights) {predicted / 2**30:.1f} GiB")
+
+
+if __name__ == "__main__":
+    main()
