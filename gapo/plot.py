@@ -1,17 +1,21 @@
 """gapo-plot: the paper's training-dynamics figures (§4.2) from run directories, several runs overlaid.
 
-    gapo-plot RUN_DIR [RUN_DIR ...] --out DIR [--labels a,b] [--smooth N]
+    gapo-plot RUN_DIR [RUN_DIR ...] --out DIR [--labels a,b] [--smooth N] [--steps A:B] [--rollout-steps S,S]
 
-Reads only `metrics.jsonl` and `config.yaml`, so it works on a live run, a finished one, or one copied off a
-cluster, without torch or wandb. Writes clip_by_c.png (Fig. 3), is_adv_corr.png (Fig. 5), val_pass.png
-(Fig. 4), coverage.png (Fig. 8), training.png and an index.md that shows them with what to look for.
+Reads only `metrics.jsonl`, `config.yaml` and, where a run has it, `rollouts.jsonl`, so it works on a live run,
+a finished one, or one copied off a cluster, without torch or wandb. Writes clip_by_c.png (Fig. 3),
+clip_vs_c.png (Fig. 3 over a window of steps), is_adv_corr.png (Fig. 5), val_pass.png (Fig. 4), coverage.png
+(Fig. 8), training.png, an index.md that shows them with what to look for, and per run with rollouts a
+rollouts_<label>.html page of sampled rollouts with their IS ratios and clip decisions.
 """
 
 from __future__ import annotations
 
 import argparse
+import html
 import json
 import math
+import random
 import re
 import sys
 from collections.abc import Callable, Iterable
@@ -36,12 +40,45 @@ RAW_PREFIX = "_raw "
 REF_PREFIX = "_ref "
 
 _CLIP_C = re.compile(r"^clip_frac/c(\d+)$")
+_CLIP_UNITS = re.compile(r"^clip_units/c(\d+)$")
 _VAL_MEAN_PASS = re.compile(r"^val/mean/pass@(\d+)$")
 _VAL_COVERAGE = re.compile(r"^val/(.+)/coverage$")
 
 
 class PlotError(Exception):
     """A problem with the inputs that the user must fix; main() prints it and exits with status 2."""
+
+
+Window = tuple[int | None, int | None]  # steps lo..hi, both included; None: open on that side
+ALL_STEPS: Window = (None, None)
+
+
+def parse_steps(spec: str | None) -> Window:
+    """'A:B' -> steps A through B, both included; 'A:' and ':B' leave a side open; None or ':' -> all steps."""
+    if spec is None:
+        return ALL_STEPS
+    lo, sep, hi = spec.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        window = (int(lo) if lo.strip() else None, int(hi) if hi.strip() else None)
+    except ValueError:
+        raise PlotError(f"--steps {spec!r}: expected A:B (integers, either may be left out), e.g. 100:400") from None
+    if None not in window and window[0] > window[1]:
+        raise PlotError(f"--steps {spec!r}: the first step is after the last")
+    return window
+
+
+def in_window(step: int, window: Window) -> bool:
+    lo, hi = window
+    return (lo is None or step >= lo) and (hi is None or step <= hi)
+
+
+def window_text(window: Window) -> str:
+    lo, hi = window
+    if lo is None:
+        return "all steps" if hi is None else f"steps ≤ {hi}"
+    return f"steps ≥ {lo}" if hi is None else f"steps {lo}–{hi}"
 
 
 @dataclass
@@ -157,6 +194,16 @@ def load_run(run_dir: str | Path, label: str | None = None) -> Run:
                steps=sorted(records))
 
 
+def warn_pre_split(runs: list[Run]) -> None:
+    """Runs logged before the off-policy/all split count every update in clip_frac/* and is_adv_corr, the first
+    mini-batch's ratio-1 rollouts included; say so rather than draw them as if comparable."""
+    for r in runs:
+        if "clip_frac" in r.series and not any(k.startswith("all/") for k in r.series):
+            print(f"gapo-plot: warning: {r.path} was logged before the off-policy clip metrics: its clip_frac/* and "
+                  "is_adv_corr count all updates, including the first mini-batch's (ratio 1, never clipped)",
+                  file=sys.stderr)
+
+
 def _algo(cfg: dict) -> dict:
     a = cfg.get("algorithm")
     return a if isinstance(a, dict) else {}
@@ -247,11 +294,13 @@ def _no_data(ax, what: str) -> None:
     ax.text(0.5, 0.5, f"no {what} logged", transform=ax.transAxes, ha="center", va="center", color="0.5")
 
 
-def _finish(fig: Figure, runs: list[Run], title: str, smooth: int = 1) -> Figure:
+def _finish(fig: Figure, runs: list[Run], title: str, smooth: int = 1, step_axis: bool = True) -> Figure:
     """One legend per figure, built from the runs (not from the axes) so it names every run even when a
     panel has no points for some of them; the legend sits below the panels so it never hides a curve."""
     steps = [s for r in runs for s in r.steps]
     for ax in fig.axes:
+        if not step_axis:  # the caller set its own axis (c)
+            continue
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         if steps:  # every figure spans the whole training, so figures line up and sparse evals show where they fell
             pad = max(0.5, 0.02 * (max(steps) - min(steps)))
@@ -307,7 +356,80 @@ def fig_clip_by_c(runs: list[Run], smooth: int = 1) -> Figure:
             ax.set_ylabel("clip fraction")
         if not any(r.get(f"clip_frac/c{c}") for r in runs):
             _no_data(ax, f"clip_frac/c{c}")
-    return _finish(fig, runs, "Clip fraction of correct rollouts by group success count c (paper Fig. 3)", smooth)
+    return _finish(fig, runs, "Clip fraction of correct rollouts by group success count c, off-policy updates "
+                   "(paper Fig. 3)", smooth)
+
+
+@dataclass(frozen=True)
+class ClipTotals:
+    """Sums over a window of steps for the correct rollouts of groups with one c, off-policy updates only."""
+
+    clipped: float  # units whose gradient the upper bound removed
+    units: float  # tokens under token IS, rollouts under sequence IS (each counted once per update)
+    rollouts: float  # correct rollouts (each counted once per update)
+
+    @property
+    def frac(self) -> float:
+        return self.clipped / self.units
+
+
+def clip_totals(run: Run, window: Window = ALL_STEPS) -> dict[int, ClipTotals]:
+    """c -> the window's clip totals, from the per-step sums `clip_hi/c{c}`, `clip_units/c{c}`, `n_correct/c{c}`.
+
+    Their ratio is the window's exact clip fraction; a mean of the per-step `clip_frac/c{c}` would weigh a step
+    with one such rollout like a step with a hundred. Runs logged before those sums existed give {}.
+    """
+    out: dict[int, ClipTotals] = {}
+    for key in run.series:
+        if not (m := _CLIP_UNITS.match(key)):
+            continue
+        c = int(m.group(1))
+        per_step = {name: dict(run.get(f"{name}/c{c}")) for name in ("clip_hi", "clip_units", "n_correct")}
+        steps = [st for st in per_step["clip_units"] if in_window(st, window)]
+        missing = [st for st in steps if st not in per_step["clip_hi"] or st not in per_step["n_correct"]]
+        if missing:
+            raise PlotError(f"{run.path / 'metrics.jsonl'}: step {missing[0]} logs clip_units/c{c} without "
+                            f"clip_hi/c{c} and n_correct/c{c}")
+        units = sum(per_step["clip_units"][st] for st in steps)
+        if units > 0:
+            out[c] = ClipTotals(clipped=sum(per_step["clip_hi"][st] for st in steps), units=units,
+                                rollouts=sum(per_step["n_correct"][st] for st in steps))
+    return dict(sorted(out.items()))
+
+
+def fig_clip_vs_c(runs: list[Run], window: Window = ALL_STEPS) -> Figure | None:
+    """Fig. 3 at a glance: the clip fraction of correct rollouts against c over a window of steps, with the
+    rollouts behind each point underneath, so that a point resting on three rollouts reads as such."""
+    totals = [clip_totals(r, window) for r in runs]
+    cs = sorted({c for t in totals for c in t})
+    if not cs:
+        return None
+    fig = Figure(figsize=(max(7.0, 1.1 * len(cs) + 3), 6.4), layout="constrained")
+    ax, ax_n = fig.subplots(2, 1, sharex=True, height_ratios=(2.2, 1))
+    width = 0.8 / len(runs)
+    for i, (r, t) in enumerate(zip(runs, totals, strict=True)):
+        if not t:
+            continue
+        x = np.array(list(t), dtype=float)
+        style = _style(i)
+        ax.plot(x, [v.frac for v in t.values()], linewidth=1.7, markersize=6,
+                markerfacecolor="none" if i % 2 else style["color"], label=r.label, **style)
+        bars = ax_n.bar(x - 0.4 + width * (i + 0.5), [v.rollouts for v in t.values()], width=width,
+                        color=style["color"], alpha=0.75, label=f"{REF_PREFIX}{r.label}")
+        ax_n.bar_label(bars, labels=[f"{v.rollouts:.0f}" for v in t.values()], fontsize=7)
+    lacking = [r.label for r, t in zip(runs, totals, strict=True) if not t]
+    ax.set_title("off-policy updates" + (f"; no clip counts logged by {', '.join(lacking)}" if lacking else ""),
+                 fontsize=10)
+    ax.set_ylabel("clip fraction (clipped / units)")
+    ax.set_ylim(bottom=0)
+    ax_n.set_title("correct rollouts per c (one per update)", fontsize=10)
+    ax_n.set_ylabel("rollouts")
+    ax_n.set_xlabel("c (correct rollouts in the group)")
+    ax_n.set_xticks(cs)
+    ax_n.set_xlim(cs[0] - 0.5, cs[-1] + 0.5)
+    ax_n.margins(y=0.2)
+    return _finish(fig, runs, f"Clip fraction of correct rollouts against c, {window_text(window)} (paper Fig. 3)",
+                   step_axis=False)
 
 
 def fig_is_adv_corr(runs: list[Run], smooth: int = 1) -> Figure:
@@ -318,7 +440,7 @@ def fig_is_adv_corr(runs: list[Run], smooth: int = 1) -> Figure:
         _plot_series(ax, r.get("is_adv_corr"), r.label, i, smooth)
     ax.set_xlabel("step")
     ax.set_ylabel("Pearson r (sequence IS ratio, advantage)")
-    ax.set_title("over rollouts with A ≠ 0", fontsize=10)
+    ax.set_title("over rollouts with A ≠ 0, off-policy updates", fontsize=10)
     if not any(r.get("is_adv_corr") for r in runs):
         _no_data(ax, "is_adv_corr")
     return _finish(fig, runs, "IS ratio – advantage correlation (paper Fig. 5)", smooth)
@@ -377,7 +499,7 @@ def fig_coverage(runs: list[Run]) -> Figure | None:
 
 
 TRAINING_PANELS = (("reward/mean", "mean reward"), ("response/len_mean", "mean response length (tokens)"),
-                   ("entropy", "mean token entropy"), ("clip_frac", "clip fraction (all rollouts)"))
+                   ("entropy", "mean token entropy"), ("clip_frac", "clip fraction (off-policy updates)"))
 
 
 def fig_training(runs: list[Run], smooth: int = 1) -> Figure:
@@ -397,7 +519,7 @@ class FigureSpec:
     filename: str
     title: str
     caption: str  # what to look for
-    build: Callable[[list[Run], int], Figure | None]
+    build: Callable[[list[Run], int, Window], Figure | None]
     missing: str = ""  # said on the index page when build() returns None
 
 
@@ -405,28 +527,197 @@ FIGURES = (
     FigureSpec("clip_by_c.png", "Clip fraction by c (Fig. 3)",
                "GAPO should clip the scarce correct rollouts of low-c groups less than fixed clipping does, "
                "and the abundant high-c ones at least as much.",
-               fig_clip_by_c),
+               lambda runs, smooth, window: fig_clip_by_c(runs, smooth)),
+    FigureSpec("clip_vs_c.png", "Clip fraction against c over a window of steps (Fig. 3)",
+               "The mechanism at a glance: fixed clipping clips correct rollouts at about the same rate whatever "
+               "their c; GAPO should clip low c (scarce, high advantage) less and high c at least as much. The bars "
+               "count the rollouts behind each point.",
+               lambda runs, smooth, window: fig_clip_vs_c(runs, window),
+               "no clip counts in these runs (`clip_units/c{c}`, `clip_hi/c{c}`, `n_correct/c{c}`; logged by "
+               "gapo-train since the off-policy clip metrics)."),
     FigureSpec("is_adv_corr.png", "IS–advantage correlation (Fig. 5)",
                "GAPO should keep the correlation high once clipping starts firing; fixed clipping lets it fall.",
-               fig_is_adv_corr),
+               lambda runs, smooth, window: fig_is_adv_corr(runs, smooth)),
     FigureSpec("val_pass.png", "Validation pass@1 and pass@k (Fig. 4)",
                "GAPO should hold or exceed the baselines in pass@1 and, especially, pass@k late in training.",
-               lambda runs, smooth: fig_val_pass(runs),
+               lambda runs, smooth, window: fig_val_pass(runs),
                "no validation pass@k in these runs (`val/mean/pass@{k}`; set `trainer.eval_every` > 0)."),
     FigureSpec("coverage.png", "Problem coverage (Fig. 8)",
                "GAPO should keep more problems above the solve-rate threshold, where baselines lose them.",
-               lambda runs, smooth: fig_coverage(runs),
+               lambda runs, smooth, window: fig_coverage(runs),
                "no coverage in these runs (`val/{benchmark}/coverage`; set `trainer.eval_every` > 0)."),
     FigureSpec("training.png", "Training curves",
                "Sanity checks: reward should rise, entropy should not collapse early, lengths should not blow "
                "up, the overall clip fraction shows when clipping starts firing.",
-               fig_training),
+               lambda runs, smooth, window: fig_training(runs, smooth)),
 )
 
 
-def build_figures(runs: list[Run], smooth: int = 1) -> dict[str, Figure | None]:
+def build_figures(runs: list[Run], smooth: int = 1, window: Window = ALL_STEPS) -> dict[str, Figure | None]:
     """Filename -> Figure (None where the runs lack the metrics); kept separate from saving for tests."""
-    return {spec.filename: spec.build(runs, smooth) for spec in FIGURES}
+    return {spec.filename: spec.build(runs, smooth, window) for spec in FIGURES}
+
+
+# ---------------------------------------------------------------------------------------- rollout pages
+
+
+def iter_rollouts(path: Path) -> Iterable[dict]:
+    """rollouts.jsonl's records one at a time (the file holds every rollout of the run and can be large)."""
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
+                    raise ValueError("expected a JSON object with an integer 'step'")
+            except ValueError as e:
+                if not line.endswith("\n"):
+                    print(f"gapo-plot: warning: {path}:{lineno}: incomplete last line skipped (run still writing?)",
+                          file=sys.stderr)
+                    return
+                raise PlotError(f"{path}:{lineno}: malformed rollout record: {e}") from None
+            yield rec
+
+
+def pick_steps(available: list[int], requested: list[int] | None, where: Path) -> list[int]:
+    """The requested steps that the run logged rollouts for, else its first, middle and last."""
+    if not available:
+        return []
+    if requested is None:
+        return sorted({available[0], available[len(available) // 2], available[-1]})
+    missing = [st for st in requested if st not in set(available)]
+    if missing:
+        print(f"gapo-plot: warning: {where} has no rollouts at step(s) {', '.join(map(str, missing))} "
+              f"(it has {len(available)} steps, {available[0]}–{available[-1]})", file=sys.stderr)
+    return [st for st in requested if st in set(available)]
+
+
+def _clipped(rec: dict) -> bool:
+    return any(u.get("clip_hi_tokens") or u.get("clip_lo_tokens") for u in rec.get("updates", []))
+
+
+def sample_bucket(recs: list[dict], n: int, seed: int) -> list[dict]:
+    """Up to n rollouts of one c, half of them (rounded up) clipped ones when there are: what a reader wants to
+    see is what was clipped, next to what was not. Repeatable (seeded), in the file's order."""
+    rng = random.Random(seed)
+    clipped = [i for i, r in enumerate(recs) if _clipped(r)]
+    kept = [i for i, r in enumerate(recs) if not _clipped(r)]
+    rng.shuffle(clipped)
+    rng.shuffle(kept)
+    half = (n + 1) // 2
+    take = (clipped[:half] + kept + clipped[half:])[:n]
+    return [recs[i] for i in sorted(take)]
+
+
+def _esc(x) -> str:
+    return html.escape(str(x), quote=True)
+
+
+def _update_item(u: dict, adv: float, eps_hi: float, eps_lo, clip: str, token_level: bool, length: int) -> str:
+    """One update of one rollout: its sequence IS ratio, the bound that applies to it and what the loss did."""
+    lo = f"1−ε_lo = {1 - eps_lo:.6g}" if isinstance(eps_lo, int | float) else "1−ε_lo"
+    hi = f"1+ε_hi = {1 + eps_hi:.6g}"
+    bound = f"[{lo}, {hi}]" if clip == "cispo" else hi if adv > 0 else lo if adv < 0 else "none (A = 0: no gradient)"
+    verdicts = []
+    for key, side in (("clip_hi_tokens", "high"), ("clip_lo_tokens", "low")):
+        n = int(u.get(key) or 0)
+        if n:
+            verdicts.append(f"clipped {side}" + (f" ({n}/{length} tokens)" if token_level else ""))
+    verdict = ", ".join(verdicts) or "kept"
+    return (f"<li>ratio {float(u.get('is_ratio', float('nan'))):.6f} · bound {_esc(bound)} → "
+            f"<b class=\"{'clip' if verdicts else 'kept'}\">{_esc(verdict)}</b></li>")
+
+
+_PAGE_STYLE = """body{font-family:sans-serif;margin:1.5em;max-width:1400px}
+table{border-collapse:collapse;width:100%;margin-bottom:1.2em}
+th,td{border:1px solid #ccc;padding:4px 6px;vertical-align:top;font-size:13px;text-align:left}
+th{background:#f0f0f0}tr.clipped{background:#fff3e6}
+td ul{margin:0;padding-left:1.1em}b.clip{color:#b34700}b.kept{color:#2a7a2a}
+pre{white-space:pre-wrap;max-height:24em;overflow:auto;margin:0;font-size:12px}
+summary{cursor:pointer;color:#333}"""
+
+
+def rollouts_page(run: Run, steps: list[int] | None = None, per_c: int = 3) -> str | None:
+    """A self-contained HTML page: for a few steps, sampled rollouts per c with their text, reward, advantage,
+    bound eps_hi and, per update, the IS ratio and clip decision. None when the run logged no rollouts.jsonl
+    (`trainer.log_rollouts=true`)."""
+    path = run.path / "rollouts.jsonl"
+    if not path.is_file():
+        return None
+    available = sorted({rec["step"] for rec in iter_rollouts(path)})
+    chosen = pick_steps(available, steps, path)
+    by_step: dict[int, list[dict]] = {st: [] for st in chosen}
+    for rec in iter_rollouts(path):
+        if rec["step"] in by_step:
+            by_step[rec["step"]].append(rec)
+    a = _algo(run.config)
+    clip, eps_lo = str(a.get("clip") or ""), a.get("eps_lo")
+    token_level = a.get("is_level") != "sequence"
+    title = f"Rollouts of {run.label}"
+    parts = [f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>{_esc(title)}</title>"
+             f"<style>{_PAGE_STYLE}</style></head><body>", f"<h1>{_esc(title)}</h1>",
+             f"<p>{_esc(run.path)} · algorithm {_esc(run.algorithm)} · clip {_esc(clip or '?')} "
+             f"{_esc(run.clip_range)} · IS level {_esc(a.get('is_level') or '?')}</p>",
+             "<p>Per update of a rollout (in update order): its sequence IS ratio exp(mean log π/π_old), the bound "
+             "that applies to its sign of A (1+ε_hi(c) above for A &gt; 0, 1−ε_lo below for A &lt; 0) and what "
+             "the loss did. " + ("Under token IS the decision is per token: the counts say how many of the "
+                                 "response's tokens were clipped. " if token_level else "") +
+             "Rollouts of the step's first mini-batch have their first update at the sampling weights (ratio 1). "
+             f"Per c, up to {per_c} rollouts are sampled, half of them clipped ones where there are; "
+             "clipped rows are shaded.</p>"]
+    if not chosen:
+        parts.append("<p>No rollouts at the requested steps.</p>")
+    parts.append("<p>Steps: " + " · ".join(f"<a href=\"#step-{st}\">{st}</a>" for st in chosen) + "</p>")
+    for st in chosen:
+        recs = by_step[st]
+        n_clip = sum(_clipped(r) for r in recs)
+        parts.append(f"<h2 id=\"step-{st}\">Step {st}</h2><p>{len(recs)} rollouts, {n_clip} clipped in some "
+                     "update</p>")
+        buckets: dict[int, list[dict]] = {}
+        for r in recs:
+            buckets.setdefault(int(r.get("c", -1)), []).append(r)
+        for c in sorted(buckets):
+            group = buckets[c]
+            k = group[0].get("k", "?")
+            shown = sample_bucket(group, per_c, seed=st * 1000 + c)
+            parts.append(f"<h3>c = {c} of k = {_esc(k)} · ε_hi = {float(group[0].get('eps_hi', float('nan'))):.6g} · "
+                         f"{len(group)} rollouts, {sum(_clipped(r) for r in group)} clipped · showing "
+                         f"{len(shown)}</h3>")
+            parts.append("<table><tr><th>rank</th><th>problem</th><th>reward</th><th>status</th><th>A</th>"
+                         "<th>updates: IS ratio · bound → decision</th><th>tokens</th><th>response</th></tr>")
+            for r in shown:
+                adv, length = float(r.get("adv", 0.0)), int(r.get("len", 0))
+                items = "".join(_update_item(u, adv, float(r.get("eps_hi", float("nan"))), eps_lo, clip,
+                                             token_level, length) for u in r.get("updates", []))
+                text = str(r.get("text", ""))
+                head = text[:100].replace("\n", " ") + ("…" if len(text) > 100 else "")
+                trunc = " (truncated)" if r.get("truncated") else ""
+                parts.append(f"<tr class=\"{'clipped' if _clipped(r) else 'kept'}\"><td>{_esc(r.get('rank', ''))}</td>"
+                             f"<td>{_esc(r.get('problem', ''))}</td><td>{_esc(r.get('reward', ''))}</td>"
+                             f"<td>{_esc(r.get('status', ''))}</td><td>{adv:+.4f}</td><td><ul>{items}</ul></td>"
+                             f"<td>{length}{trunc}</td><td><details><summary>{_esc(head)}</summary>"
+                             f"<pre>{_esc(text)}</pre></details></td></tr>")
+            parts.append("</table>")
+    parts.append("</body></html>\n")
+    return "\n".join(parts)
+
+
+def write_rollout_pages(runs: list[Run], out: Path, steps: list[int] | None = None,
+                        per_c: int = 3) -> dict[str, str]:
+    """Label -> file name of the run's rollouts page, for the runs that logged rollouts."""
+    pages: dict[str, str] = {}
+    for r in runs:
+        page = rollouts_page(r, steps, per_c)
+        if page is None:
+            continue
+        slug = re.sub(r"[^A-Za-z0-9._-]+", "_", r.label).strip("_") or "run"
+        name = f"rollouts_{slug}.html"
+        while name in pages.values():
+            name = name.removesuffix(".html") + "_.html"
+        (out / name).write_text(page, encoding="utf-8")
+        pages[r.label] = name
+    return pages
 
 
 # ------------------------------------------------------------------------------------------------ output
@@ -441,7 +732,8 @@ def _md_cell(s: str) -> str:
     return s.replace("|", "\\|")
 
 
-def write_index(out: Path, runs: list[Run], figures: dict[str, Figure | None], smooth: int) -> Path:
+def write_index(out: Path, runs: list[Run], figures: dict[str, Figure | None], smooth: int,
+                pages: dict[str, str] | None = None, window: Window = ALL_STEPS) -> Path:
     lines = ["# GAPO run plots", "", "| label | algorithm | clip | clip range | steps | last reward/mean | dir |",
              "|---|---|---|---|---|---|---|"]
     for r in runs:
@@ -453,26 +745,36 @@ def write_index(out: Path, runs: list[Run], figures: dict[str, Figure | None], s
     if smooth > 1:
         lines += [f"Per-step curves are smoothed (trailing mean over {smooth} logged steps); raw values are faint.",
                   ""]
+    if window != ALL_STEPS:
+        lines += [f"Window of the clip-against-c figure: {window_text(window)}.", ""]
     for spec in FIGURES:
         lines += [f"## {spec.title}", ""]
         if figures.get(spec.filename) is None:
             lines += [f"Not drawn: {spec.missing}", ""]
         else:
             lines += [f"![{spec.title}]({spec.filename})", "", spec.caption, ""]
+    if pages:
+        lines += ["## Rollouts behind the figures", "",
+                  "Sampled rollouts per c at a few steps, with their text, advantage, IS ratio per update, bound and "
+                  "clip decision:", ""]
+        lines += [f"- [{_md_cell(label)}]({name})" for label, name in pages.items()]
+        lines.append("")
     path = out / "index.md"
     path.write_text("\n".join(lines), encoding="utf-8")
     return path
 
 
-def render(runs: list[Run], out: Path, smooth: int = 1) -> dict[str, Figure | None]:
+def render(runs: list[Run], out: Path, smooth: int = 1, window: Window = ALL_STEPS,
+           rollout_steps: list[int] | None = None, per_c: int = 3) -> dict[str, Figure | None]:
     out.mkdir(parents=True, exist_ok=True)
-    figures = build_figures(runs, smooth)
+    figures = build_figures(runs, smooth, window)
     for name, fig in figures.items():
         if fig is None:
             (out / name).unlink(missing_ok=True)  # a stale image from an earlier call would contradict index.md
             continue
         fig.savefig(out / name, dpi=110)
-    write_index(out, runs, figures, smooth)
+    pages = write_rollout_pages(runs, out, rollout_steps, per_c)
+    write_index(out, runs, figures, smooth, pages, window)
     return figures
 
 
@@ -485,6 +787,12 @@ def parse_args(argv: Iterable[str] | None) -> argparse.Namespace:
                                     "'run_name (algorithm eps_lo/eps_hi)'")
     p.add_argument("--smooth", type=int, default=1, metavar="N",
                    help="moving average over N logged steps for per-step curves (default 1: none)")
+    p.add_argument("--steps", metavar="A:B", help="window of clip_vs_c.png: steps A through B, both included, "
+                                                  "either side may be left out (default: all steps)")
+    p.add_argument("--rollout-steps", metavar="S,S,...", help="steps shown on the rollouts pages of runs with "
+                                                             "rollouts.jsonl (default: first, middle and last)")
+    p.add_argument("--rollouts-per-c", type=int, default=3, metavar="N",
+                   help="rollouts sampled per c and step on those pages (default 3)")
     return p.parse_args(None if argv is None else list(argv))
 
 
@@ -493,6 +801,16 @@ def main(argv: Iterable[str] | None = None) -> int:
     try:
         if args.smooth < 1:
             raise PlotError(f"--smooth must be >= 1, got {args.smooth}")
+        if args.rollouts_per_c < 1:
+            raise PlotError(f"--rollouts-per-c must be >= 1, got {args.rollouts_per_c}")
+        window = parse_steps(args.steps)
+        rollout_steps = None
+        if args.rollout_steps is not None:
+            try:
+                rollout_steps = [int(x) for x in args.rollout_steps.split(",")]
+            except ValueError:
+                raise PlotError(f"--rollout-steps {args.rollout_steps!r}: expected comma-separated step numbers, "
+                                "e.g. 1,100,200") from None
         labels: list[str | None] = [None] * len(args.run_dirs)
         if args.labels is not None:
             labels = [s.strip() for s in args.labels.split(",")]
@@ -501,7 +819,8 @@ def main(argv: Iterable[str] | None = None) -> int:
                                 "director(y/ies); give one non-empty label per RUN_DIR")
         runs = [load_run(d, lab) for d, lab in zip(args.run_dirs, labels, strict=True)]
         _unique_labels(runs)
-        figures = render(runs, args.out, args.smooth)
+        warn_pre_split(runs)
+        figures = render(runs, args.out, args.smooth, window, rollout_steps, args.rollouts_per_c)
     except PlotError as e:
         print(f"gapo-plot: error: {e}", file=sys.stderr)
         return 2

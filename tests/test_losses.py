@@ -14,6 +14,7 @@ from gapo.trainer.losses import (
     group_metrics,
     loss_metrics,
     policy_loss,
+    update_metrics,
 )
 
 # ---------------------------------------------------------------- eq. 8
@@ -312,3 +313,82 @@ def test_approx_kl_is_k3_of_kl_old_new():
         _, st = policy_loss(old + d, old, mask, torch.ones(1), torch.tensor([1]), torch.tensor([8]), 0.2, 0.2,
                             StepNorm(4.0, 1.0), is_level="token")
         assert loss_metrics(st, "token")["approx_kl"] == pytest.approx(math.exp(d) - 1 - d, rel=1e-5)
+
+
+# ---------------------------------------------------------------- on- / off-policy updates of a step
+
+# Two ranks, k = 4, adaptive clip (0.2, 0.28): eps_hi(c=1) = 0.28, eps_hi(c=2) = 0.2 + 0.08 * 2/3 = 0.25333.
+# Each rank runs two mini-batches of one group: the first at the sampling weights (ratio exactly 1), the
+# second after an optimizer step, with the sequence IS ratios below.
+OFF_RATIOS = {0: [1.3, 0.9, 0.7, 1.0],  # c = 1: correct 1.3 > 1.28 clips high; 0.7 < 0.8 clips low
+              1: [1.2, 1.27, 0.95, 1.05]}  # c = 2: correct 1.2 <= 1.2533 kept, 1.27 clips high
+REWARDS = {0: [1.0, 0.0, 0.0, 0.0], 1: [1.0, 1.0, 0.0, 0.0]}
+
+
+def _rank_part(rank: int, groups_off_policy: list[bool]) -> dict:
+    """What one rank's loop gathers for a step: per micro-batch stats from a real loss evaluation."""
+    g = torch.Generator().manual_seed(rank)
+    rewards = torch.tensor(REWARDS[rank] * len(groups_off_policy))
+    ga = group_advantages(rewards, [4] * len(groups_off_policy))
+    eps_hi = gapo_clip_high(ga.c, ga.k, 0.2, 0.28)
+    stats, off = [], []
+    for j, moved in enumerate(groups_off_policy):
+        b = slice(4 * j, 4 * j + 4)
+        T = 6
+        mask = (torch.arange(T)[None] < torch.tensor([6, 3, 5, 4])[:, None]).float()
+        old = -torch.rand(4, T, generator=g) * 3
+        ratio = torch.tensor(OFF_RATIOS[rank]) if moved else torch.ones(4)
+        logp = old + torch.log(ratio)[:, None]
+        _, st = policy_loss(logp, old, mask, ga.adv[b], ga.c[b], ga.k[b], 0.2, eps_hi[b], StepNorm(18.0, 4.0),
+                            is_level="sequence", clip_rule="adaptive")
+        stats.append(st)
+        off.append(torch.full((4,), moved))
+    n = len(rewards)
+    return {"stats": RolloutStats.cat(stats), "off_policy": torch.cat(off), "rewards": rewards, "c": ga.c,
+            "k": ga.k, "status": ["correct"] * n, "len": [4] * n, "trunc": [False] * n, "mismatch": torch.zeros(0),
+            "entropy_sum": 0.0, "kl_ref_sum": 0.0, "first_dev": torch.zeros(1), "skipped": 0, "tokens": 18.0 * n,
+            "timings": {"generate": 1.0, "train": 1.0}}
+
+
+def test_clip_metrics_count_only_off_policy_updates():
+    from gapo.trainer.loop import step_metrics
+
+    m = step_metrics([_rank_part(0, [False, True]), _rank_part(1, [False, True])], "sequence", 1.0, 1e-6, 1.0)
+    # Off-policy: only the second mini-batch of each rank, 8 rollouts.
+    assert m["clip_frac/c1"] == 1.0  # 1 of 1 correct c = 1 rollout
+    assert m["clip_frac/c2"] == 0.5  # 1 of 2
+    assert (m["clip_hi/c1"], m["clip_units/c1"], m["n_correct/c1"]) == (1.0, 1.0, 1.0)
+    assert (m["clip_hi/c2"], m["clip_units/c2"], m["n_correct/c2"]) == (1.0, 2.0, 2.0)
+    assert m["clip_frac"] == 3 / 8 and m["clip_frac/high"] == 2 / 8 and m["clip_frac/low"] == 1 / 8
+    assert m["is_ratio/c1"] == pytest.approx(1.3, rel=1e-6)
+    assert m["is_ratio/c2"] == pytest.approx((1.2 + 1.27) / 2, rel=1e-6)
+    off_ratio = OFF_RATIOS[0] + OFF_RATIOS[1]
+    off_adv = [0.75, -0.25, -0.25, -0.25, 0.5, 0.5, -0.5, -0.5]
+    assert m["is_adv_corr"] == pytest.approx(np.corrcoef(off_ratio, off_adv)[0, 1], rel=1e-5)
+    assert m["is_ratio/mean"] == pytest.approx(sum(off_ratio) / 8, rel=1e-6)
+    # All updates: the on-policy halves add ratio-1, unclipped rollouts of the same kinds.
+    assert m["all/clip_frac/c1"] == 1 / 2 and m["all/clip_frac/c2"] == 1 / 4
+    assert m["all/n_correct/c2"] == 4.0 and m["all/clip_frac"] == 3 / 16
+    all_ratio = [1.0] * 4 + OFF_RATIOS[0] + [1.0] * 4 + OFF_RATIOS[1]
+    all_adv = off_adv[:4] * 2 + off_adv[4:] * 2
+    assert m["all/is_adv_corr"] == pytest.approx(np.corrcoef(all_ratio, all_adv)[0, 1], rel=1e-5)
+    assert m["approx_kl"] > m["all/approx_kl"] > 0
+
+
+def test_step_without_off_policy_update_has_no_clip_metrics():
+    from gapo.trainer.loop import step_metrics
+
+    m = step_metrics([_rank_part(0, [False])], "sequence", 1.0, 1e-6, 1.0)
+    assert m["all/clip_frac"] == 0.0 and m["all/clip_frac/c1"] == 0.0 and m["all/is_ratio/c1"] == 1.0
+    for key in ("clip_frac", "clip_frac/c1", "clip_hi/c1", "is_adv_corr", "approx_kl", "is_ratio/mean"):
+        assert key not in m, key
+
+
+def test_update_metrics_on_token_units():
+    """Token IS counts tokens: clip_units/c{c} sums the tokens of the correct rollouts, n_correct the rollouts."""
+    s = _stats(seq_ratio=[1.0, 1.3, 1.1, 1.05], adv=[0.5, 0.875, 0.5, 0.5], c=[4, 1, 4, 4], k=[8] * 4,
+               n_tok=[7, 10, 4, 6], hi=[0, 10, 1, 0], lo=[0, 0, 0, 0])
+    m = update_metrics(s, torch.tensor([False, True, True, True]), "token")
+    assert (m["clip_hi/c4"], m["clip_units/c4"], m["n_correct/c4"]) == (1.0, 10.0, 2.0)
+    assert m["all/clip_units/c4"] == 17.0 and m["all/clip_frac/c4"] == pytest.approx(1 / 17)
+    assert m["clip_frac/c1"] == 1.0

@@ -1,4 +1,5 @@
-"""gapo-plot on two hand-written run directories: figures, legends, resume/duplicate handling, errors."""
+"""gapo-plot on two hand-written run directories: figures, legends, resume/duplicate handling, windows of steps,
+rollout pages, errors."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gapo.plot import build_figures, fmt_eps, load_run, main
+from gapo.plot import PlotError, build_figures, clip_totals, fmt_eps, load_run, main, parse_steps
 
 PNG_SIG = b"\x89PNG\r\n\x1a\n"
-ALL_PNGS = ("clip_by_c.png", "is_adv_corr.png", "val_pass.png", "coverage.png", "training.png")
+ALL_PNGS = ("clip_by_c.png", "clip_vs_c.png", "is_adv_corr.png", "val_pass.png", "coverage.png", "training.png")
 K = 4  # group size: clip_frac/c1 .. c3
 
 
@@ -27,7 +28,12 @@ def _record(step: int, offset: float, val: bool = True) -> dict:
            "clip_frac/high": 0.005 * step, "response/len_mean": 100.0 + step, "entropy": 1.0 - 0.01 * step,
            # undefined correlation early on (no rollout with A != 0): null, must not become a zero
            "is_adv_corr": None if step <= 2 else 0.3 + offset,
-           "clip_frac/c1": 0.02 + offset, "clip_frac/c2": 0.04 + offset, "is_ratio/c1": 1.001}
+           "clip_frac/c1": 0.02 + offset, "clip_frac/c2": 0.04 + offset, "is_ratio/c1": 1.001,
+           "all/clip_frac": 0.005 * step,
+           # per-step sums behind clip_frac/c{c}: c = 1 clips one of 3 rollouts every 4th step; c = 2 has 10 + step
+           # units of which 2 (run A) or 7 (run B) clipped
+           "clip_hi/c1": 1.0 if step % 4 == 0 else 0.0, "clip_units/c1": 3.0, "n_correct/c1": 3.0,
+           "clip_hi/c2": 2.0 + 100 * offset, "clip_units/c2": 10.0 + step, "n_correct/c2": 5.0}
     if step % 3:  # c = 3 groups only at some steps
         rec["clip_frac/c3"] = 0.06 + offset
     if val and step in (4, 8, 12):
@@ -106,6 +112,8 @@ def test_one_series_per_run_per_axes(runs, smooth):
     for name, fig in figs.items():
         assert fig._suptitle is not None and fig._suptitle.get_text(), name
         assert [t.get_text() for t in fig.legends[0].get_texts()] == list(LABELS), name
+        if name == "clip_vs_c.png":  # against c, not steps: test_clip_against_c_aggregates_counts_exactly
+            continue
         axes = [ax for ax in fig.axes if ax.get_visible()]
         assert axes, name
         for ax in axes:
@@ -136,7 +144,7 @@ def test_no_val_keys_skips_val_figures(tmp_path):
     assert not (out / "val_pass.png").exists() and not (out / "coverage.png").exists()
     assert (out / "clip_by_c.png").exists()
     index = (out / "index.md").read_text()
-    assert index.count("Not drawn:") == 2
+    assert index.count("Not drawn:") == 2 and "rollouts_" not in index  # no rollouts.jsonl, no page
     assert "](val_pass.png)" not in index
     assert "| mine | gapo | adaptive | 0.2/0.28 |" in index
 
@@ -184,3 +192,77 @@ def test_fmt_eps():
 def test_python_m_entry_point():
     r = subprocess.run([sys.executable, "-m", "gapo.plot", "--help"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "RUN_DIR" in r.stdout
+
+
+def test_parse_steps():
+    assert parse_steps(None) == (None, None) and parse_steps("4:9") == (4, 9)
+    assert parse_steps("100:") == (100, None) and parse_steps(":50") == (None, 50) and parse_steps(":") == (None, None)
+    for bad in ("4", "a:b", "9:4"):
+        with pytest.raises(PlotError, match="--steps"):
+            parse_steps(bad)
+
+
+def test_clip_against_c_aggregates_counts_exactly(runs, tmp_path):
+    a, b = (load_run(d) for d in runs)
+    # Steps 4..9 of run A: c = 1 clips at steps 4 and 8 of 6 x 3 units; c = 2 clips 6 x 2 of sum(10 + s) units.
+    t = clip_totals(a, (4, 9))
+    assert sorted(t) == [1, 2]  # c = 3 logged no sums
+    assert (t[1].clipped, t[1].units, t[1].rollouts) == (2.0, 18.0, 18.0)
+    assert t[2].clipped == 12.0 and t[2].units == sum(10 + s for s in range(4, 10)) and t[2].rollouts == 30.0
+    # The whole run counts each step once, although run A logged step 6 twice and steps 9-12 in two segments.
+    whole = clip_totals(a)
+    assert (whole[1].clipped, whole[1].rollouts) == (3.0, 36.0)
+    fig = build_figures([a, b], window=(4, 9))["clip_vs_c.png"]
+    ax, ax_n = fig.axes
+    lines = {ln.get_label(): ln for ln in ax.get_lines()}
+    assert sorted(lines) == sorted(LABELS)
+    assert list(lines[LABELS[0]].get_xdata()) == [1, 2]
+    assert list(lines[LABELS[0]].get_ydata()) == pytest.approx([2 / 18, 12 / 99])
+    assert list(lines[LABELS[1]].get_ydata()) == pytest.approx([2 / 18, 6 * 7 / 99])
+    heights = sorted(round(p.get_height()) for p in ax_n.patches)
+    assert heights == [18, 18, 30, 30]
+    assert "steps 4–9" in fig._suptitle.get_text()
+    assert ax_n.get_xlabel().startswith("c")
+
+
+def _rollout(step, c, adv, ratio, hi=0, lo=0, text="x", rank=0):
+    return {"step": step, "rank": rank, "problem": f"p{c}", "text": text, "reward": float(adv > 0),
+            "status": "correct" if adv > 0 else "wrong", "c": c, "k": K, "adv": adv,
+            "eps_hi": 3e-3 + 2e-3 * (K - c) / (K - 1), "len": 12, "truncated": False,
+            "updates": [{"is_ratio": ratio, "clip_hi_tokens": hi, "clip_lo_tokens": lo}]}
+
+
+def test_rollout_pages(runs, tmp_path):
+    a = runs[0]
+    cfg = yaml.safe_load((a / "config.yaml").read_text())
+    cfg["algorithm"]["is_level"] = "sequence"
+    (a / "config.yaml").write_text(yaml.safe_dump(cfg))
+    recs = []
+    for step in (1, 2, 3):
+        recs += [_rollout(step, 1, 0.75, 1.0071, hi=12, text="<script>alert('x')</script> & so on"),
+                 _rollout(step, 1, -0.25, 0.9962, lo=12), _rollout(step, 1, -0.25, 1.001),
+                 _rollout(step, 1, -0.25, 0.999)]
+        # c = 3: five correct-or-wrong rollouts, one clipped; at most 3 shown
+        recs += [_rollout(step, 3, 0.25, 1.0041, hi=12, rank=1)] + [_rollout(step, 3, 0.25, 1.001, rank=1)] * 2
+        recs += [_rollout(step, 3, -0.75, 1.0, rank=1)] * 2
+    (a / "rollouts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    out = tmp_path / "plots"
+    assert main([str(a), str(runs[1]), "--out", str(out), "--rollout-steps", "1,3"]) == 0
+    page_name = "rollouts_gapo_run_gapo_3e-3_5e-3.html"
+    assert sorted(p.name for p in out.glob("*.html")) == [page_name]  # run B has no rollouts.jsonl
+    page = (out / page_name).read_text()
+    assert f"]({page_name})" in (out / "index.md").read_text()
+    assert "<script>" not in page and "&lt;script&gt;alert(&#x27;x&#x27;)&lt;/script&gt; &amp; so on" in page
+    assert page.count('<h2 id="step-') == 2 and 'id="step-1"' in page and 'id="step-3"' in page
+    assert page.count("ratio 1.007100 · bound 1+ε_hi = 1.005 → <b class=\"clip\">clipped high</b>") == 2
+    assert page.count("ratio 0.996200 · bound 1−ε_lo = 0.997 → <b class=\"clip\">clipped low</b>") == 2
+    # c = 1 has 2 clipped and 2 kept rollouts: both clipped ones and one kept one are shown
+    kept = [page.count(f"ratio {r} · bound 1−ε_lo = 0.997 → <b class=\"kept\">kept</b>") for r in ("1.001000",
+                                                                                                "0.999000")]
+    assert sum(kept) == 2
+    assert page.count("c = 3 of k = 4 · ε_hi = 0.00366667 · 5 rollouts, 1 clipped · showing 3") == 2
+    assert page.count("ratio 1.004100") == 2  # the clipped c = 3 rollout is always among those shown
+    assert page.count("<tr class=") == 2 * (3 + 3) and page.count('<tr class="clipped">') == 2 * (2 + 1)
+    # default steps: first, middle, last
+    main([str(a), "--out", str(out)])
+    assert (out / page_name).read_text().count('<h2 id="step-') == 3

@@ -40,8 +40,8 @@ from gapo.trainer.losses import (
     group_advantages,
     group_metrics,
     kl_penalty,
-    loss_metrics,
     policy_loss,
+    update_metrics,
 )
 
 log = logging.getLogger("gapo.train")
@@ -305,6 +305,7 @@ def train(cfg: Config) -> Path:
         stat_rows: list[Tensor] = []  # the rollouts each entry of `stats` is about
         grad_norms: list[float] = []
         first_dev: list[Tensor] = []  # |log pi - log pi_old| on the step's first mini-batch (pi = pi_old there)
+        off_policy: list[Tensor] = []  # per entry of `stats`: False on that first mini-batch, where nothing can clip
         skipped = 0
         ends = np.cumsum([len(mini) for mini in minis]).tolist()
         for epoch in range(t.ppo_epochs):
@@ -332,6 +333,7 @@ def train(cfg: Config) -> Path:
                     applied = actor.backward(loss)
                     stats.append(st)
                     stat_rows.append(b)
+                    off_policy.append(torch.full((len(b),), not (epoch == 0 and m0 == 0)))
                 if applied:
                     grad_norms.append(actor.grad_norm())
                     skipped_in_a_row = 0
@@ -359,7 +361,7 @@ def train(cfg: Config) -> Path:
                  "status": [res.status for res in flat_results],
                  "len": [len(x.response_ids) for x in rollouts], "trunc": [x.truncated for x in rollouts],
                  "mismatch": torch.cat(mismatch), "entropy_sum": entropy_sum, "kl_ref_sum": kl_ref_sum,
-                 "first_dev": torch.cat(first_dev), "skipped": skipped,
+                 "first_dev": torch.cat(first_dev), "off_policy": torch.cat(off_policy), "skipped": skipped,
                  "tokens": float(sum(float(mb.resp_mask.sum()) for mb in mbs)), "timings": timings}
         if t.log_rollouts:
             local["records"] = rollout_records(step, rank, [batch[j] for j in mine], problems, groups, flat_results,
@@ -375,7 +377,7 @@ def train(cfg: Config) -> Path:
             if t.log_rollouts:
                 tracker.log_rollouts([rec for p in parts for rec in p["records"]])
             tqdm.write(f"step {step}/{t.total_steps} reward {metrics['reward/mean']:.3f} "
-                       f"clip {metrics['clip_frac']:.3f} len {metrics['response/len_mean']:.1f} "
+                       f"clip {metrics.get('clip_frac', float('nan')):.3f} len {metrics['response/len_mean']:.1f} "
                        f"gen {timings['generate']:.1f}s train {timings['train']:.1f}s "
                        f"push {timings['weight_push']:.2f}s")
         if benches and ((t.eval_every and step % t.eval_every == 0) or step == t.total_steps):
@@ -433,7 +435,7 @@ def step_metrics(parts: list[dict], is_level: str, grad_norm: float, lr: float,
     for s in ("correct", "wrong", "no_answer", "timeout", "error"):
         m[f"reward/{s}_frac"] = status.count(s) / len(status)
     m.update(group_metrics(c, k))
-    m.update(loss_metrics(stats, is_level))
+    m.update(update_metrics(stats, torch.cat([p["off_policy"] for p in parts]), is_level))
     m.update({"response/len_mean": float(lengths.mean()), "response/len_max": float(lengths.max()),
               "response/truncated_frac": float(np.mean([x for p in parts for x in p["trunc"]])),
               "entropy": sum(p["entropy_sum"] for p in parts) / max(tokens, 1.0),

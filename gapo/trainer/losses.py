@@ -191,13 +191,15 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, mask: Tensor, norm: StepNorm) -> 
 
 
 def loss_metrics(s: RolloutStats, is_level: IsLevel) -> dict[str, float]:
-    """The paper's figures from the step's per-rollout stats.
+    """The paper's figures from per-rollout stats (one entry per rollout and update).
 
     Clip fractions count tokens under token IS and rollouts under sequence IS (a sequence is clipped as a
     whole). `clip_frac/c{c}` and `is_ratio/c{c}` cover positive-advantage (correct) rollouts of groups
-    with c correct, c = 1..k-1 (Fig. 3). `is_adv_corr` is Pearson's r between the sequence IS ratio and
-    the advantage over rollouts with A != 0 (Fig. 5); zero-advantage rollouts carry no gradient and would
-    only dilute it.
+    with c correct, c = 1..k-1 (Fig. 3); `clip_hi/c{c}`, `clip_units/c{c}` (that fraction's numerator and
+    denominator) and `n_correct/c{c}` (its rollouts) are sums, so that a window of steps aggregates exactly
+    instead of averaging fractions of a handful of rollouts each. `is_adv_corr` is Pearson's r between the
+    sequence IS ratio and the advantage over rollouts with A != 0 (Fig. 5); zero-advantage rollouts carry
+    no gradient and would only dilute it.
     """
     seq = is_level == "sequence"
     has = s.n_tokens > 0
@@ -219,9 +221,30 @@ def loss_metrics(s: RolloutStats, is_level: IsLevel) -> dict[str, float]:
         if sel.any():
             out[f"clip_frac/c{cc}"] = float(hi[sel].sum() / units[sel].sum().clamp(min=1))
             out[f"is_ratio/c{cc}"] = float(ratio[sel].mean())
+            out[f"clip_hi/c{cc}"] = float(hi[sel].sum())
+            out[f"clip_units/c{cc}"] = float(units[sel].sum())
+            out[f"n_correct/c{cc}"] = float(sel.sum())
     nz = (s.adv != 0) & has
     out["is_adv_corr"] = pearson(ratio[nz], s.adv[nz].double())
     out["is_ratio/mean"] = float(ratio[has].mean()) if has.any() else 1.0
+    return out
+
+
+def update_metrics(s: RolloutStats, off_policy: Tensor, is_level: IsLevel) -> dict[str, float]:
+    """`loss_metrics` over the off-policy updates under the plain names, over all updates under `all/`.
+
+    An update is off-policy when the weights have moved since sampling: every update but those of the step's
+    first mini-batch in epoch 0, which still runs at the sampling weights (IS ratio 1, nothing can clip).
+    Counting those would dilute every clip fraction and pull `is_adv_corr` toward the on-policy ratios of 1,
+    so Figs. 3 and 5 use the off-policy ones. A step with no off-policy update (one mini-batch, one epoch)
+    has none of the plain names: undefined, not 0.
+
+    off_policy: [N] bool, one per entry of `s`.
+    """
+    out = {f"all/{key}": v for key, v in loss_metrics(s, is_level).items()}
+    if off_policy.any():
+        off = RolloutStats(**{f.name: getattr(s, f.name)[off_policy] for f in fields(RolloutStats)})
+        out.update(loss_metrics(off, is_level))
     return out
 
 

@@ -1,0 +1,162 @@
+"""gapo-compare on hand-written seeds of two labels: the CI and Welch numbers against hand arithmetic, the
+markdown cells, the figures, and the errors that name what to fix."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+from scipy import stats
+
+from gapo.compare import ci_half_width, load_groups, main, training_estimates, welch
+from gapo.evaluate import BenchResult, summary, write_results
+
+# Student-t quantile q with 2 degrees of freedom in closed form, (2q - 1) / sqrt(2q(1 - q)), at q = 0.975:
+# 4.30265272975 (printed tables round it to 4.303).
+T_975_DF2 = (2 * 0.975 - 1) / math.sqrt(2 * 0.975 * 0.025)
+N = 4  # samples per problem; 4 problems per benchmark
+# Final pass@1 per seed: correct samples out of 16 per benchmark.
+FINAL = {"gapo": {"aime24": [4, 5, 6], "math500": [8, 10, 12]},
+         "gspo": {"aime24": [2, 3, 2], "math500": [8, 9, 7]}}
+
+
+def _bench(name: str, total_correct: int) -> BenchResult:
+    per = [total_correct // 4 + (1 if i < total_correct % 4 else 0) for i in range(4)]  # spread over 4 problems
+    return BenchResult(name=name, n=N, correct=per, uids=[f"{name}-{i}" for i in range(4)], statuses={})
+
+
+def _write_seed(d: Path, algo: str, seed: int, benches: tuple[str, ...] = ("aime24", "math500")) -> Path:
+    d.mkdir(parents=True)
+    (d / "config.yaml").write_text(yaml.safe_dump({"algorithm": {"name": algo, "clip": "fixed", "eps_lo": 3e-3,
+                                                                 "eps_hi": 5e-3}, "rollout": {"group_size": 4},
+                                                   "trainer": {"seed": seed}}))
+    lines = []
+    for step in range(0, 11):
+        if step:
+            lines.append({"step": step, "reward/mean": 0.2 + 0.01 * step, "entropy": 1 - 0.01 * step + 0.1 * seed,
+                          "clip_frac": 0.1, "is_adv_corr": 0.5, "all/clip_frac": 0.05,
+                          # c = 1: one of 4 + seed units clipped at the steps with (step + seed) % 3 == 0
+                          "clip_frac/c1": float((step + seed) % 3 == 0) / (4 + seed),
+                          "clip_hi/c1": float((step + seed) % 3 == 0), "clip_units/c1": 4.0 + seed,
+                          "n_correct/c1": 4.0 + seed})
+        if step % 5 == 0:  # validation as the loop logs it: a line of summary() after the step's, also in val/
+            results = [_bench(b, FINAL[algo][b][seed] if step == 10 else 1 + step // 5) for b in benches]
+            write_results(results, d / "val" / f"step_{step:06d}", {"step": step})
+            lines.append({"step": step, **summary(results)})
+    (d / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return d
+
+
+@pytest.fixture
+def seeds(tmp_path: Path) -> dict[str, list[Path]]:
+    return {algo: [_write_seed(tmp_path / f"{algo}_s{s}", algo, s) for s in range(3)] for algo in ("gapo", "gspo")}
+
+
+def _group_args(seeds: dict[str, list[Path]]) -> list[str]:
+    return [f"{algo}={','.join(map(str, dirs))}" for algo, dirs in seeds.items()]
+
+
+def test_ci_half_width_is_student_t():
+    # values 0.25, 0.3125, 0.375: mean 0.3125, sample sd 0.0625
+    assert ci_half_width([0.25, 0.3125, 0.375]) == pytest.approx(T_975_DF2 * 0.0625 / math.sqrt(3), rel=1e-12)
+    assert math.isnan(ci_half_width([0.3]))
+
+
+def test_welch_by_hand():
+    a, b = [0.25, 0.3125, 0.375], [0.125, 0.1875, 0.125]
+    va, vb = 0.0625**2, ((0.125 - 0.4375 / 3) ** 2 * 2 + (0.1875 - 0.4375 / 3) ** 2) / 2
+    se2 = va / 3 + vb / 3
+    t_hand = (0.3125 - 0.4375 / 3) / math.sqrt(se2)
+    df_hand = se2**2 / ((va / 3) ** 2 / 2 + (vb / 3) ** 2 / 2)
+    t, df, p = welch(a, b)
+    assert t == pytest.approx(t_hand, rel=1e-12) and df == pytest.approx(df_hand, rel=1e-12)
+    assert p == pytest.approx(2 * stats.t.sf(t_hand, df_hand), rel=1e-9)
+    assert all(math.isnan(x) for x in welch([0.5, 0.5], [0.5, 0.5]))  # no spread on either side: undefined
+
+
+def test_report_cells_and_figures(seeds, tmp_path, capsys):
+    out = tmp_path / "cmp"
+    assert main(["--out", str(out), "--steps", "3:8", *_group_args(seeds)]) == 0
+    md = (out / "compare.md").read_text()
+    val = md.split("## Final validation")[1].split("## Training")[0]
+    # aime24 final pass@1: gapo 4, 5, 6 of 16 -> 0.25, 0.3125, 0.375; gspo 2, 3, 2 of 16
+    half = T_975_DF2 * 0.0625 / math.sqrt(3)
+    gspo = [2 / 16, 3 / 16, 2 / 16]
+    gspo_mean = sum(gspo) / 3
+    gspo_sd = math.sqrt(sum((x - gspo_mean) ** 2 for x in gspo) / 2)
+    gapo_row = val.split("\n| gapo | ")[1].split("\n")[0]
+    assert gapo_row.startswith(f"31.25 ± {100 * half:.2f} | ")
+    gspo_row = val.split("\n| gspo | ")[1].split("\n")[0]
+    assert gspo_row.startswith(f"{100 * gspo_mean:.2f} ± {100 * T_975_DF2 * gspo_sd / math.sqrt(3):.2f} | ")
+    # math500: gapo 0.5, 0.625, 0.75; the mean column averages the two benchmarks per seed
+    assert f"| 62.50 ± {100 * T_975_DF2 * 0.125 / math.sqrt(3):.2f} |" in gapo_row
+    assert "| label | aime24 | math500 | mean |" in val
+    # Welch on aime24, from the same hand arithmetic as test_welch_by_hand
+    se2 = 0.0625**2 / 3 + gspo_sd**2 / 3
+    t = (0.3125 - gspo_mean) / math.sqrt(se2)
+    df = se2**2 / ((0.0625**2 / 3) ** 2 / 2 + (gspo_sd**2 / 3) ** 2 / 2)
+    p = 2 * stats.t.sf(t, df)
+    assert p < 0.05  # so the cell carries a star
+    stars = "**" if p < 0.01 else "*"
+    assert f"| gapo vs gspo | +{100 * (0.3125 - gspo_mean):.2f}{stars} (p = {p:.2g}) |" in val
+    assert "At step 10 " in md
+    # Training window 3..8: c = 1 clips at 2 of the 6 steps for every seed, of 4 + seed units each step.
+    fracs = [2 / (6 * (4 + s)) for s in range(3)]
+    m = sum(fracs) / 3
+    sd = math.sqrt(sum((x - m) ** 2 for x in fracs) / 2)
+    assert f"{m:.4g} ± {T_975_DF2 * sd / math.sqrt(3):.4g} (n = 3)" in md
+    assert "steps 3–8" in md
+    for name in ("clip_by_c.png", "clip_vs_c.png", "is_adv_corr.png", "val_pass.png", "coverage.png", "training.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+        assert f"]({name})" in md
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_window_metrics_are_per_seed_means(seeds):
+    groups = load_groups(_group_args(seeds))
+    metrics, est = training_estimates(groups, (3, 8))
+    assert metrics[:2] == ["reward/mean", "entropy"] and "clip_frac/c1" in metrics
+    # entropy at step s, seed j: 1 - 0.01 s + 0.1 j; steps 3..8 average to s = 5.5
+    assert est["gapo"]["entropy"].values == pytest.approx([1 - 0.055 + 0.1 * j for j in range(3)])
+    assert est["gspo"]["clip_frac/c1"].values == pytest.approx([2 / (6 * (4 + j)) for j in range(3)])
+
+
+def test_val_step_option(seeds, tmp_path):
+    out = tmp_path / "cmp"
+    assert main(["--out", str(out), "--val-step", "5", *_group_args(seeds)]) == 0
+    md = (out / "compare.md").read_text()
+    # at step 5 every seed solved 2 of 16 on each benchmark: no spread, and no test
+    assert "| gapo | 12.50 ± 0.00 | 12.50 ± 0.00 | 12.50 ± 0.00 |" in md
+    assert "+0.00 (p undefined)" in md
+    assert main(["--out", str(out), "--val-step", "7", *_group_args(seeds)]) == 2
+
+
+def test_one_run_label_is_refused(seeds, tmp_path, capsys):
+    assert main(["--out", str(tmp_path / "o"), f"gapo={seeds['gapo'][0]}", _group_args(seeds)[1]]) == 2
+    err = capsys.readouterr().err
+    assert "'gapo'" in err and "one run" in err and "two" in err
+
+
+def test_run_without_metrics_is_named(seeds, tmp_path, capsys):
+    empty = tmp_path / "empty_seed"
+    empty.mkdir()
+    args = [f"gapo={seeds['gapo'][0]},{empty}", _group_args(seeds)[1]]
+    assert main(["--out", str(tmp_path / "o"), *args]) == 2
+    err = capsys.readouterr().err
+    assert "'gapo'" in err and "empty_seed" in err and "metrics.jsonl" in err
+
+
+def test_mismatched_benchmarks_are_refused(seeds, tmp_path, capsys):
+    odd = _write_seed(tmp_path / "gspo_odd", "gspo", 0, benches=("aime24",))
+    args = [_group_args(seeds)[0], f"gspo={seeds['gspo'][1]},{odd}"]
+    assert main(["--out", str(tmp_path / "o"), *args]) == 2
+    err = capsys.readouterr().err
+    assert "gspo_odd" in err and "mismatched benchmarks" in err and "math500" in err
+
+
+def test_bad_group_argument(tmp_path, capsys):
+    assert main(["--out", str(tmp_path / "o"), "no_equals_sign", "x=a,b"]) == 2
+    assert "LABEL=RUN_DIR" in capsys.readouterr().err
