@@ -265,11 +265,12 @@ def train(cfg: Config) -> Path:
         lengths = [len(x.prompt_ids) + len(x.response_ids) for x in rollouts]
         starts = range(0, len(rollouts), mini_per_rank)
         counts = torch.tensor([len(micro_batch_rows(lengths[m0:m0 + mini_per_rank], t.micro_batch_size,
-                                                    t.max_tokens_per_micro_batch)) for m0 in starts])
+                                                    t.max_tokens_per_micro_batch)) for m0 in starts],
+                              device=actor.device)  # NCCL reduces device tensors only
         dist.all_reduce(counts, op=dist.ReduceOp.MAX)
         minis = [[torch.tensor(b) + m0 for b in micro_batch_rows(lengths[m0:m0 + mini_per_rank], t.micro_batch_size,
-                                                                 t.max_tokens_per_micro_batch, int(n))]
-                 for m0, n in zip(starts, counts, strict=True)]
+                                                                 t.max_tokens_per_micro_batch, n)]
+                 for m0, n in zip(starts, counts.tolist(), strict=True)]
         rows = [b for mini in minis for b in mini]  # per micro-batch: its rollouts' indices
         mbs = [MicroBatch.pack([rollouts[j].prompt_ids for j in b], [rollouts[j].response_ids for j in b], pad_id,
                                share_prompts=share_prompts) for b in rows]
