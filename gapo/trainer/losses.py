@@ -17,19 +17,16 @@ data-parallel ranks) gives exactly the loss of the whole step, whatever the spli
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Literal
 
 import torch
 from torch import Tensor
+
+from gapo.config import ClipRule, IsLevel, LossAgg
 
 # exp(±20) spans [2e-9, 5e8]. A log-ratio past that only comes from a numerically broken step; clamping
 # it keeps exp() finite (no inf * 0 = NaN in the surrogate). The clamped tokens get no gradient, which
 # is what clipping would do to them anyway.
 MAX_LOG_RATIO = 20.0
-
-IsLevel = Literal["token", "sequence"]
-ClipRule = Literal["fixed", "adaptive", "cispo"]
-LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_sum_constant"]
 
 
 def gapo_clip_high(c: Tensor | int, k: Tensor | int, eps_lo: float, eps_hi_max: float) -> Tensor:
