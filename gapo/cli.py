@@ -8,8 +8,10 @@ import os
 import socket
 import subprocess
 import sys
+import textwrap
 
-from gapo.config import ConfigError, dump_config, load_config
+from gapo import console
+from gapo.config import ConfigError, dump_config, field_descriptions, load_config
 
 
 def _free_port() -> int:
@@ -20,9 +22,13 @@ def _free_port() -> int:
 
 def train_main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(prog="gapo-train", description="Train a policy with GAPO and its baselines.")
+    p = argparse.ArgumentParser(prog="gapo-train", description="Train a policy with GAPO and its baselines.",
+                                epilog=_fields_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="YAML file, or the name of a config shipped in configs/")
-    p.add_argument("--print-config", action="store_true", help="print the fully resolved config and exit")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the fully resolved config (fields described in comments) and exit")
+    p.add_argument("--verbose", action="store_true",
+                   help="show every library's output on the console (by default it goes to <output_dir>/train.log)")
     p.add_argument("--nproc", type=int, default=1, help="local ranks to start (torchrun); default 1")
     p.add_argument("--resume", metavar="PATH", help="run directory (its latest checkpoint) or checkpoint directory")
     p.add_argument("--rehearse", action="store_true",
@@ -42,39 +48,55 @@ def train_main(argv: list[str] | None = None) -> int:
     if args.print_config:
         from gapo.memory import plan_text
 
-        sys.stdout.write(dump_config(cfg))
+        sys.stdout.write(dump_config(cfg, comments=True))
         # As YAML comments, so the output stays a config file.
         text, _ = plan_text(cfg, args.nproc, None)
         sys.stdout.write("".join(f"# {line}\n" for line in text.splitlines()))
         return 0
     if args.rehearse:
-        return _rehearse(cfg, args.nproc)
+        return _rehearse(cfg, args.nproc, args.verbose)
     if args.nproc > 1 and "RANK" not in os.environ:
         # Re-run this command under torchrun: one process per rank, each with its own engine.
         rest = [a for i, a in enumerate(argv) if a != "--nproc" and (i == 0 or argv[i - 1] != "--nproc")
                 and not a.startswith("--nproc=")]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc),
                "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), "-m", "gapo.cli", *rest]
-        return subprocess.call(cmd)
+        # torchrun sets 1 thread per rank itself when unset, and says so at length; the ranks log the rest.
+        return subprocess.call(cmd, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
     # OpenMP threads spin-wait by default, which slows vLLM's CPU generation ~6x when two runtimes share cores.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     # vLLM freezes torch's thread count at engine build (1 unless OMP_NUM_THREADS says otherwise), and the
     # trainer shares it: give a single rank every core. (torchrun sets 1 per rank itself.)
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+    rank0 = os.environ.get("RANK", "0") == "0"
+    if not args.verbose:
+        console.capture(show_warnings=rank0)  # before the libraries load: what they print goes to train.log
     from gapo.trainer.loop import TrainingDiverged, train
 
     try:
-        train(cfg)
+        run_dir = train(cfg)
     except ConfigError as err:  # bad model path, data file or field: a message, not a traceback
-        print(f"gapo-train: {err}", file=sys.stderr)
+        console.error(f"gapo-train: {err}")
         return 2
     except TrainingDiverged as err:
-        print(f"gapo-train: {err}", file=sys.stderr)
+        console.error(f"gapo-train: {err}")
         return 3
+    if rank0:
+        console.say(console.outputs(run_dir))
     return 0
 
 
-def _rehearse(cfg, nproc: int) -> int:
+def _fields_help() -> str:
+    """The described config fields, for --help."""
+    lines = ["config fields, set in the YAML file or on the command line as section.field=value",
+             "(--print-config shows them all, with their values):"]
+    for name, text in field_descriptions():
+        lines.append(f"  {name}")
+        lines += textwrap.wrap(text, 100, initial_indent=" " * 6, subsequent_indent=" " * 6)
+    return "\n".join(lines)
+
+
+def _rehearse(cfg, nproc: int, verbose: bool) -> int:
     """Check the real run's budget and data, train its scaled copy in a child gapo-train, report."""
     from gapo import rehearse
     from gapo.models import check_context_budget
@@ -86,7 +108,7 @@ def _rehearse(cfg, nproc: int) -> int:
         print(f"gapo-train --rehearse: {err}", file=sys.stderr)
         return 2
     code = subprocess.call([sys.executable, "-m", "gapo.cli", "--config", str(run_dir / "rehearsal_config.yaml"),
-                            "--nproc", str(plan.world)])
+                            "--nproc", str(plan.world), *(["--verbose"] if verbose else [])])
     text, ok = rehearse.report(plan, cfg, run_dir, limit)
     (run_dir / "rehearsal.md").write_text(text)
     print(text)

@@ -71,6 +71,10 @@ def test_dr_grpo_constant_defaults_to_max_new_tokens():
     ({}, ["algorithm.name=grpo", "algorithm.eps_lo=1.0"], ["algorithm.eps_lo=1.0", "< 1"]),
     ({}, ["trainer.lr"], ["override 'trainer.lr'", "key.path=value"]),
     ({}, ["trainer.lr.x=1"], ["trainer.lr", "valid number"]),
+    # the embedded arithmetic set is drawn at config time: a size its levels cannot hold stops here, not in a rank
+    ({}, ["data.arithmetic_levels=[add_small]", "data.arithmetic_size=1500"],
+     ["data.arithmetic_size=1500", "['add_small']", "only 400"]),
+    ({}, ["data.arithmetic_levels=[add_smal]"], ["data.arithmetic_levels=['add_smal']", "mul_small"]),
 ])
 def test_bad_configs_name_key_value_and_rule(raw, overrides, needles):
     with pytest.raises(ConfigError) as e:
@@ -101,6 +105,40 @@ def test_print_config_round_trips_and_works_from_any_directory(tmp_path):
     assert printed["algorithm"]["is_level"] == "sequence"
     assert resolve(printed).model_dump() == load_config(ROOT / "configs/tiny_cpu.yaml",
                                                         ["algorithm.name=gspo", "trainer.total_steps=7"]).model_dump()
+
+
+def test_print_config_describes_fields_in_comments(capsys):
+    from gapo.cli import train_main
+
+    assert train_main(["--config", "tiny_cpu", "--print-config"]) == 0
+    out = capsys.readouterr().out
+    rows = out.splitlines()
+    at = rows.index("  eps_hi_max: 0.005")
+    assert rows[at - 1] == "  # Largest upper bound of the adaptive rule, reached at c = 1 (eq. 8)."
+    assert "  # Dr.GRPO's constant normaliser (tokens per sequence); null = rollout.max_new_tokens." in rows
+    assert resolve(yaml.safe_load(out)) == load_config("tiny_cpu")
+
+
+def test_help_lists_the_described_fields(capsys):
+    from gapo.cli import train_main
+
+    with pytest.raises(SystemExit) as e:
+        train_main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "--verbose" in out
+    at = out.index("\n  algorithm.eps_hi_max\n")
+    assert out[at:].split("\n")[2].strip() == "Largest upper bound of the adaptive rule, reached at c = 1 (eq. 8)."
+    assert "\n  eval.protocol.table\n" in out
+
+
+def test_overrides_stand_before_and_after_resume(capsys):
+    from gapo.cli import train_main
+
+    assert train_main(["--config", "tiny_cpu", "trainer.output_dir=runs/x", "--resume", "runs/x/checkpoints/step_2",
+                       "algorithm.name=gspo", "--print-config"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["trainer"]["output_dir"] == "runs/x" and printed["algorithm"]["name"] == "gspo"
+    assert printed["trainer"]["resume_from"] == "runs/x/checkpoints/step_2"
 
 
 def test_cli_reports_config_errors_on_stderr():

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 from tqdm import tqdm
 
+from gapo import console
 from gapo.config import Config, ConfigError
 from gapo.data import Sampler, load_training_set, stop_token_ids, tokenize_problems
 from gapo.evaluate import evaluate, load_benchmark, summary, write_results
@@ -140,6 +141,9 @@ def train(cfg: Config) -> Path:
     if (state is None or branched) and ((run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists()):
         raise ConfigError(f"trainer.output_dir={run_dir} already holds a run: continue it with --resume {run_dir}, "
                           "or choose another output_dir")
+    console.attach(run_dir)
+    if rank == 0:
+        console.say(console.run_header(cfg, run_dir, world))
 
     # --- memory plan: from config.json alone, so a run that cannot fit stops before anything loads ---------
     device_gb = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30 \
@@ -216,8 +220,8 @@ def train(cfg: Config) -> Path:
             val_history.append((step, m))
             tracker.log(step, m)
             write_results(results, run_dir / "val" / f"step_{step:06d}", {"step": step})
-            tqdm.write(f"validation at step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in m.items()
-                                                                     if k.startswith("val/mean/")))
+            console.say(f"validation at step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in m.items()
+                                                                      if k.startswith("val/mean/")))
 
     val_history: list[tuple[int, dict]] = []
     if benches and start == 1:
@@ -225,7 +229,7 @@ def train(cfg: Config) -> Path:
     skipped_in_a_row = 0
 
     for step in tqdm(range(start, t.total_steps + 1), desc="steps", disable=rank != 0, initial=start - 1,
-                     total=t.total_steps):
+                     total=t.total_steps, file=console.terminal()):
         timings: dict[str, float] = {}
         step_tic = time.perf_counter()
         # --- 1. prompts: the same global draw on every rank, each rank takes its contiguous shard ----
@@ -377,10 +381,7 @@ def train(cfg: Config) -> Path:
             tracker.log(step, metrics)
             if t.log_rollouts:
                 tracker.log_rollouts([rec for p in parts for rec in p["records"]])
-            tqdm.write(f"step {step}/{t.total_steps} reward {metrics['reward/mean']:.3f} "
-                       f"clip {metrics.get('clip_frac', float('nan')):.3f} len {metrics['response/len_mean']:.1f} "
-                       f"gen {timings['generate']:.1f}s train {timings['train']:.1f}s "
-                       f"push {timings['weight_push']:.2f}s")
+            console.say(console.step_line(step, t.total_steps, metrics))
         if benches and ((t.eval_every and step % t.eval_every == 0) or step == t.total_steps):
             validate(step)
 
@@ -391,8 +392,8 @@ def train(cfg: Config) -> Path:
     if tracker:
         if len(val_history) > 1:
             (s0, m0), (s1, m1) = val_history[0], val_history[-1]
-            tqdm.write(f"held-out pass@1: {m0['val/mean/pass@1']:.3f} at step {s0} -> {m1['val/mean/pass@1']:.3f} "
-                       f"at step {s1}  ({', '.join(b[0] for b in benches)}; n={ev.n})")
+            console.say(f"held-out pass@1: {m0['val/mean/pass@1']:.3f} at step {s0} -> {m1['val/mean/pass@1']:.3f} "
+                        f"at step {s1}  ({', '.join(b[0] for b in benches)}; n={ev.n})")
         tracker.finish()
     dist.barrier()
     return run_dir

@@ -1,0 +1,128 @@
+"""The console of gapo-train: library output and raw fd writes go to train.log, a person's lines to the console."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from gapo.config import load_config
+from gapo.console import run_header, step_line
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A training process in miniature: libraries log and write to fds 1 and 2 (also from a child process) before
+# and after the run directory is known; gapo says a few lines over a progress bar.
+SCRIPT = textwrap.dedent("""
+    import logging, os, subprocess, sys, time
+    from pathlib import Path
+    from tqdm import tqdm
+    from gapo import console
+
+    logging.basicConfig(level=logging.INFO)
+    run_dir, verbose, fail = Path(sys.argv[1]), sys.argv[2] == "1", sys.argv[3] == "1"
+    if not verbose:
+        Path(sys.argv[4]).write_text(str(console.capture()))
+    logging.getLogger("transformers").warning("LIB-EARLY")
+    os.write(2, b"RAW-EARLY\\n")
+    console.attach(run_dir)
+    logging.getLogger("vllm").info("LIB-INFO")
+    os.write(1, b"RAW-FD1\\n")
+    print("PRINTED")
+    subprocess.run(["sh", "-c", "echo CHILD-OUT; echo CHILD-ERR >&2"], check=True)
+    logging.getLogger("gapo.data").warning("GAPO-WARNS")
+    for step in tqdm(range(1, 4), desc="steps", total=3, file=console.terminal(), mininterval=0):
+        time.sleep(0.01)
+        console.say(f"step {step}/3 STEP-LINE")
+    if fail:
+        raise RuntimeError("BOOM")
+""")
+CHATTER = ["LIB-EARLY", "RAW-EARLY", "LIB-INFO", "RAW-FD1", "PRINTED", "CHILD-OUT", "CHILD-ERR"]
+
+
+def _run(tmp_path: Path, verbose: bool, fail: bool = False) -> tuple[subprocess.CompletedProcess, Path, Path]:
+    run_dir, where = tmp_path / "run", tmp_path / "temp_log_path"
+    r = subprocess.run([sys.executable, "-c", SCRIPT, str(run_dir), str(int(verbose)), str(int(fail)), str(where)],
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    return r, run_dir, where
+
+
+def _screen(text: str) -> list[str]:
+    """What a terminal shows for `text`: a carriage return goes back to column 0 and overwrites."""
+    rows, col = [[]], 0
+    for ch in text:
+        if ch == "\n":
+            rows.append([])
+            col = 0
+        elif ch == "\r":
+            col = 0
+        else:
+            row = rows[-1]
+            row[col:col + 1] = [ch]
+            col += 1
+    return ["".join(row).rstrip() for row in rows]
+
+
+def test_library_output_goes_to_train_log_and_the_console_keeps_the_run(tmp_path):
+    r, run_dir, where = _run(tmp_path, verbose=False)
+    assert r.returncode == 0, r.stderr
+    console = r.stdout + r.stderr
+    for word in CHATTER:
+        assert word not in console, (word, console)
+    log = (run_dir / "train.log").read_text()
+    for word in [*CHATTER, "GAPO-WARNS", "STEP-LINE"]:
+        assert word in log, (word, log)
+    assert not Path(where.read_text()).exists()  # the temporary log moved into the run directory
+    # gapo's own warnings and the step lines reach the console, each on a line of its own above the bar
+    screen = _screen(r.stderr)
+    assert "WARNING gapo.data: GAPO-WARNS" in screen, screen
+    assert [row for row in screen if "STEP-LINE" in row] == [f"step {i}/3 STEP-LINE" for i in (1, 2, 3)], screen
+    assert any(row.startswith("steps: 100%") for row in screen), screen
+
+
+def test_verbose_keeps_everything_on_the_console(tmp_path):
+    r, run_dir, _ = _run(tmp_path, verbose=True)
+    assert r.returncode == 0, r.stderr
+    for word in [*CHATTER, "STEP-LINE"]:
+        assert word in r.stdout + r.stderr, word
+    assert not (run_dir / "train.log").exists()
+
+
+def test_an_error_reaches_the_console_in_full_and_names_the_log(tmp_path):
+    r, run_dir, _ = _run(tmp_path, verbose=False, fail=True)
+    assert r.returncode == 1
+    assert "Traceback" in r.stderr and "RuntimeError: BOOM" in r.stderr, r.stderr
+    assert f"full output: {run_dir / 'train.log'}" in r.stderr
+    assert "RuntimeError: BOOM" in (run_dir / "train.log").read_text()
+    assert "LIB-INFO" not in r.stderr
+
+
+def test_a_run_that_stops_before_its_directory_leaves_no_temporary_log(tmp_path):
+    script = ("import sys; from pathlib import Path; from gapo import console; "
+              "Path(sys.argv[1]).write_text(str(console.capture())); print('CHATTER')")
+    where = tmp_path / "where"
+    r = subprocess.run([sys.executable, "-c", script, str(where)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "CHATTER" not in r.stdout, r.stderr
+    assert not Path(where.read_text()).exists()
+
+
+@pytest.mark.parametrize("total", [9, 12, 300])
+def test_step_lines_are_aligned_columns(total):
+    small = {"reward/mean": 0.0, "clip_frac": 0.0, "response/len_mean": 5.0, "time/generate_s": 1.0,
+             "time/train_s": 2.0, "time/weight_push_s": 0.1}
+    large = {"reward/mean": -0.875, "response/len_mean": 255.5, "time/generate_s": 123.4,  # no clip_frac: nan
+             "time/train_s": 456.7, "time/weight_push_s": 12.34}
+    lines = [step_line(1, total, small), step_line(total, total, large)]
+    for word in ("reward", "clip", "len", "gen", "train", "push"):
+        assert len({line.index(f" {word} ") for line in lines}) == 1, (word, lines)
+    assert len({len(line) for line in lines}) == 1, lines
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_the_resolved_run_fits_in_a_few_lines(path):
+    cfg = load_config(path, ["trainer.resume_from=runs/parent"])
+    text = run_header(cfg, Path("runs/x"), world=2)
+    assert len(text.splitlines()) <= 6 and "runs/x  (from runs/parent)" in text, text
+    assert f"{cfg.algorithm.name}: {cfg.algorithm.is_level} IS" in text and "2 rank(s)" in text, text
