@@ -23,15 +23,12 @@ import tempfile
 from pathlib import Path
 
 import yaml
+from _util import median, run_sampled
+
+from gapo.data import arithmetic_problems, build_prompt_ids
+from gapo.models import resolve_model
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from _util import median, run_sampled  # noqa: E402
-
-from gapo.data import arithmetic_problems, build_prompt_ids  # noqa: E402
-from gapo.models import resolve_model  # noqa: E402
 
 INSTRUCTION = "Put the final answer in \\boxed{}."
 PHASES = ("generate", "reward", "old_logprob", "train", "weight_push")

@@ -20,23 +20,17 @@ Figures: generated tokens/s of each side and the ratio vLLM/HF, printed last.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
+from _util import median
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from _util import median  # noqa: E402
-
-from gapo.data import arithmetic_problems, build_prompt_ids  # noqa: E402
-from gapo.models import resolve_model  # noqa: E402
-from gapo.rollout.hf_engine import HFEngine  # noqa: E402
-from gapo.rollout.types import SamplingConfig  # noqa: E402
-from gapo.trainer.loop import build_engine, init_distributed  # noqa: E402
+from gapo.data import arithmetic_problems, build_prompt_ids
+from gapo.distributed import init_distributed
+from gapo.models import resolve_model
+from gapo.rollout.engine import build_engine
+from gapo.rollout.hf_engine import HFEngine
+from gapo.rollout.types import SamplingConfig
 
 K = 8
 

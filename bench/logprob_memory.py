@@ -28,18 +28,12 @@ import resource
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import psutil
 import torch
+from _util import median
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from _util import median  # noqa: E402
-
-from gapo.trainer import actor  # noqa: E402
+from gapo.trainer import actor
 
 VOCAB, PROMPT = 151_936, 16
 CASES = ("gapo_fwd", "gapo_bwd", "naive_fwd", "naive_bwd", "decoder_bwd", "chunk_fwd", "chunk_bwd")

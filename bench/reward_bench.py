@@ -15,15 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from gapo.reward.code import CodeRunner  # noqa: E402
-from gapo.reward.math import MathVerifier  # noqa: E402
-from gapo.reward.sandbox import namespaces_available  # noqa: E402
+from gapo.reward.code import CodeRunner
+from gapo.reward.math import MathVerifier
+from gapo.reward.sandbox import namespaces_available
 
 
 def _default_data_dir() -> Path:

@@ -14,20 +14,13 @@ printed with their ratio. The gradient is the same either way (tests/test_token_
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
+from _util import median
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from _util import median  # noqa: E402
-
-from gapo.trainer.actor import MicroBatch, micro_batch_rows, response_logprobs  # noqa: E402
+from gapo.trainer.actor import MicroBatch, micro_batch_rows, response_logprobs
 
 PROMPT = 64
 

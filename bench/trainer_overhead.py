@@ -15,24 +15,17 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 import time
-from pathlib import Path
 
 import torch
+from _util import median
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from _util import median  # noqa: E402
-
-from gapo.config import resolve  # noqa: E402
-from gapo.data import arithmetic_problems, build_prompt_ids  # noqa: E402
-from gapo.models import resolve_model  # noqa: E402
-from gapo.trainer.actor import Actor, MicroBatch  # noqa: E402
-from gapo.trainer.loop import init_distributed  # noqa: E402
-from gapo.trainer.losses import StepNorm, policy_loss  # noqa: E402
+from gapo.config import resolve
+from gapo.data import arithmetic_problems, build_prompt_ids
+from gapo.distributed import init_distributed
+from gapo.models import resolve_model
+from gapo.trainer.actor import Actor, MicroBatch
+from gapo.trainer.losses import StepNorm, policy_loss
 
 ROLLOUTS, MINI, MICRO = 64, 32, 8
 

@@ -20,22 +20,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
+from _util import median
+
+from gapo.distributed import free_port, init_distributed
+from gapo.models import resolve_model
+from gapo.rollout.engine import build_engine
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from _util import median  # noqa: E402
-
-from gapo.models import resolve_model  # noqa: E402
-from gapo.trainer.loop import build_engine, init_distributed  # noqa: E402
 
 
 def gather_worker(reps: int) -> None:
@@ -62,11 +59,8 @@ def gather_worker(reps: int) -> None:
 
 
 def run_gather(reps: int) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            __file__, "--gather-worker", "--reps", str(reps)]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     if r.returncode:

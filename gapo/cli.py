@@ -5,19 +5,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 
-from gapo import console
+from gapo import console, rundir
 from gapo.config import ConfigError, dump_config, field_descriptions, load_config
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from gapo.distributed import free_port
 
 
 def train_main(argv: list[str] | None = None) -> int:
@@ -60,7 +54,7 @@ def train_main(argv: list[str] | None = None) -> int:
         rest = [a for i, a in enumerate(argv) if a != "--nproc" and (i == 0 or argv[i - 1] != "--nproc")
                 and not a.startswith("--nproc=")]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc),
-               "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), "-m", "gapo.cli", *rest]
+               "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", "gapo.cli", *rest]
         # torchrun sets 1 thread per rank itself when unset, and says so at length; the ranks log the rest.
         return subprocess.call(cmd, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
     # OpenMP threads spin-wait by default, which slows vLLM's CPU generation ~6x when two runtimes share cores.
@@ -107,10 +101,10 @@ def _rehearse(cfg, nproc: int, verbose: bool) -> int:
     except ConfigError as err:
         print(f"gapo-train --rehearse: {err}", file=sys.stderr)
         return 2
-    code = subprocess.call([sys.executable, "-m", "gapo.cli", "--config", str(run_dir / "rehearsal_config.yaml"),
+    code = subprocess.call([sys.executable, "-m", "gapo.cli", "--config", str(run_dir / rundir.REHEARSAL_CONFIG),
                             "--nproc", str(plan.world), *(["--verbose"] if verbose else [])])
     text, ok = rehearse.report(plan, cfg, run_dir, limit)
-    (run_dir / "rehearsal.md").write_text(text)
+    (run_dir / rundir.REHEARSAL_REPORT).write_text(text)
     print(text)
     return code or (0 if ok else 1)
 

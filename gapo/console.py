@@ -25,8 +25,7 @@ from typing import TextIO
 from tqdm import tqdm
 
 from gapo.config import Config
-
-TRAIN_LOG = "train.log"
+from gapo.rundir import TRAIN_LOG
 
 _console: TextIO | None = None  # the real stderr while fds 1 and 2 go to the log
 _log: Path | None = None  # where fds 1 and 2 go now

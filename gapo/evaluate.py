@@ -35,8 +35,10 @@ from tqdm import tqdm
 from gapo import ifeval
 from gapo.config import ConfigError, RewardConfig, load_config
 from gapo.data import Problem, arithmetic_problems, build_prompt_ids, load_problems, stop_token_ids
+from gapo.distributed import gather
 from gapo.metrics import coverage, pass_at_k
 from gapo.reward.registry import score_groups
+from gapo.rollout.engine import Engine
 from gapo.rollout.types import SamplingConfig
 
 MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
@@ -215,7 +217,7 @@ class BenchResult:
         return {k: sum(pass_at_k(self.n, c, k) for c in self.correct) / len(self.correct) for k in ks}
 
 
-def evaluate(engine, tokenizer, benches: list[tuple[str, str, list[Problem]]], *, n: int, temperature: float,
+def evaluate(engine: Engine, tokenizer, benches: list[tuple[str, str, list[Problem]]], *, n: int, temperature: float,
              top_p: float, max_new_tokens: int, instruction: str | None, reward: RewardConfig, seed: int = 0,
              progress: bool = True) -> list[BenchResult]:
     """Every rank scores its share of each benchmark (problem i goes to rank i % world); results are gathered."""
@@ -238,9 +240,7 @@ def evaluate(engine, tokenizer, benches: list[tuple[str, str, list[Problem]]], *
             scored = score_groups(kind, texts, owned, reward)
             local = {i: ([r.status for r in res], {}) for i, res in zip(mine, scored, strict=True)}
         if world > 1:
-            parts = [None] * world
-            dist.all_gather_object(parts, local)
-            local = {k: v for p in parts for k, v in p.items()}
+            local = {k: v for p in gather(local) for k, v in p.items()}
         statuses: dict[str, int] = {}
         for s in (s for i in range(len(problems)) for s in local[i][0]):
             statuses[s] = statuses.get(s, 0) + 1
@@ -388,7 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from transformers import AutoTokenizer
 
-    from gapo.trainer.loop import build_engine, init_distributed
+    from gapo.distributed import init_distributed
+    from gapo.rollout.engine import build_engine
 
     init_distributed()
     max_pos = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings", 1 << 20)

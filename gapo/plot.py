@@ -32,6 +32,8 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
+from gapo import rundir
+
 Series = list[tuple[int, float]]
 
 # Lines whose label starts with "_" are left out of legends by matplotlib; the raw (unsmoothed) traces and
@@ -158,9 +160,9 @@ def parse_metrics(path: Path) -> dict[int, dict[str, float | None]]:
 
 
 def load_config(run_dir: Path) -> dict:
-    path = run_dir / "config.yaml"
+    path = run_dir / rundir.CONFIG
     if not path.is_file():
-        print(f"gapo-plot: warning: {run_dir} has no config.yaml; labelling it by its directory name",
+        print(f"gapo-plot: warning: {run_dir} has no {rundir.CONFIG}; labelling it by its directory name",
               file=sys.stderr)
         return {}
     try:
@@ -178,9 +180,9 @@ def load_run(run_dir: str | Path, label: str | None = None) -> Run:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise PlotError(f"run directory {str(run_dir)!r} does not exist")
-    metrics = run_dir / "metrics.jsonl"
+    metrics = run_dir / rundir.METRICS
     if not metrics.is_file():
-        raise PlotError(f"run directory {str(run_dir)!r} has no metrics.jsonl (is it a gapo-train output_dir?)")
+        raise PlotError(f"run directory {str(run_dir)!r} has no {rundir.METRICS} (is it a gapo-train output_dir?)")
     records = parse_metrics(metrics)
     cfg = load_config(run_dir)
     series: dict[str, Series] = {}
@@ -388,7 +390,7 @@ def clip_totals(run: Run, window: Window = ALL_STEPS) -> dict[int, ClipTotals]:
         steps = [st for st in per_step["clip_units"] if in_window(st, window)]
         missing = [st for st in steps if st not in per_step["clip_hi"] or st not in per_step["n_correct"]]
         if missing:
-            raise PlotError(f"{run.path / 'metrics.jsonl'}: step {missing[0]} logs clip_units/c{c} without "
+            raise PlotError(f"{run.path / rundir.METRICS}: step {missing[0]} logs clip_units/c{c} without "
                             f"clip_hi/c{c} and n_correct/c{c}")
         units = sum(per_step["clip_units"][st] for st in steps)
         if units > 0:
@@ -642,7 +644,7 @@ def rollouts_page(run: Run, steps: list[int] | None = None, per_c: int = 3) -> s
     """A self-contained HTML page: for a few steps, sampled rollouts per c with their text, reward, advantage,
     bound eps_hi and, per update, the IS ratio and clip decision. None when the run logged no rollouts.jsonl
     (`trainer.log_rollouts=true`)."""
-    path = run.path / "rollouts.jsonl"
+    path = run.path / rundir.ROLLOUTS
     if not path.is_file():
         return None
     available = sorted({rec["step"] for rec in iter_rollouts(path)})

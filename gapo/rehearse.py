@@ -35,6 +35,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from gapo import rundir
 from gapo.config import CONFIGS_DIR, Config, ConfigError, dump_config, resolve
 from gapo.models import TINY, model_facts
 
@@ -179,13 +180,13 @@ def prepare(cfg: Config, nproc: int) -> tuple[Plan, Path]:
     tree["data"].update(_data_sample(cfg, run_dir, p.scaled))
     tree["eval"]["benchmarks"] = _benchmarks(cfg, p.scaled)
     p.config = resolve(tree)
-    (run_dir / "rehearsal_config.yaml").write_text(dump_config(p.config))
+    (run_dir / rundir.REHEARSAL_CONFIG).write_text(dump_config(p.config))
     return p, run_dir
 
 
 def report(p: Plan, cfg: Config, run_dir: Path, context_limit: int | None) -> tuple[str, bool]:
     """The report (markdown) and whether the rehearsal passed."""
-    path = run_dir / "metrics.jsonl"
+    path = run_dir / rundir.METRICS
     rows = [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
     train = [x for x in rows if "reward/mean" in x]
     dev = max((x["first_minibatch/max_abs_log_ratio"] for x in train), default=float("nan"))
@@ -204,5 +205,5 @@ def report(p: Plan, cfg: Config, run_dir: Path, context_limit: int | None) -> tu
              f"- skipped optimizer steps: {skipped}",
              "- reward per step: " + ", ".join(f"{x['reward/mean']:.3f}" for x in train),
              "- scaled for the CPU:", *[f"  - {s}" for s in p.scaled],
-             f"- run directory: {run_dir} (its config: rehearsal_config.yaml)"]
+             f"- run directory: {run_dir} (its config: {rundir.REHEARSAL_CONFIG})"]
     return "\n".join(lines) + "\n", ok

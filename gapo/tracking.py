@@ -11,6 +11,7 @@ import math
 import os
 from pathlib import Path
 
+from gapo import rundir
 from gapo.config import Config, dump_config
 
 
@@ -18,10 +19,10 @@ class Tracker:
     def __init__(self, cfg: Config, run_dir: Path, *, wandb_id: str | None = None, parent: dict | None = None):
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
-        tmp = run_dir / "config.yaml.tmp"
+        tmp = run_dir / f"{rundir.CONFIG}.tmp"
         tmp.write_text(dump_config(cfg))
-        os.replace(tmp, run_dir / "config.yaml")
-        self.file = open(run_dir / "metrics.jsonl", "a")  # noqa: SIM115 - closed in finish()
+        os.replace(tmp, run_dir / rundir.CONFIG)
+        self.file = open(run_dir / rundir.METRICS, "a")  # noqa: SIM115 - closed in finish()
         self.wandb = None
         if cfg.tracking.wandb and cfg.tracking.mode != "disabled":
             import wandb
@@ -45,7 +46,7 @@ class Tracker:
             self.wandb.log({k: v for k, v in metrics.items()}, step=step)
 
     def log_rollouts(self, records: list[dict]) -> None:
-        with open(self.run_dir / "rollouts.jsonl", "a") as f:
+        with open(self.run_dir / rundir.ROLLOUTS, "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in records)
 
     def finish(self) -> None:

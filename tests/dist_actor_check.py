@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 
 from gapo.config import resolve
+from gapo.distributed import init_distributed
 from gapo.models import resolve_model
 from gapo.trainer.actor import Actor, MicroBatch
-from gapo.trainer.loop import init_distributed
 
 
 def batches(seed: int, rank: int) -> list[MicroBatch]:

@@ -8,9 +8,9 @@ import torch
 import torch.distributed as dist
 
 from gapo.config import resolve
+from gapo.distributed import init_distributed
 from gapo.models import resolve_model
 from gapo.trainer.actor import Actor, MicroBatch, response_logprobs
-from gapo.trainer.loop import init_distributed
 
 
 def main(out_path: str, stage: int) -> None:

@@ -9,9 +9,9 @@ from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedPara
 
 import gapo.trainer.actor as actor_module
 from gapo.config import resolve
+from gapo.distributed import init_distributed
 from gapo.models import resolve_model
 from gapo.trainer.actor import Actor, MicroBatch
-from gapo.trainer.loop import init_distributed
 
 CHUNK = 4  # response tokens per logit chunk: 2 rollouts x 12 tokens = 6 chunks
 

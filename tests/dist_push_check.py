@@ -9,11 +9,11 @@ import torch
 import gapo.trainer.actor as actor_mod
 from gapo.config import resolve
 from gapo.data import arithmetic_problems, build_prompt_ids
+from gapo.distributed import init_distributed
 from gapo.models import resolve_model
 from gapo.rollout.hf_engine import HFEngine
 from gapo.rollout.vllm_engine import VLLMEngine
 from gapo.trainer.actor import Actor, MicroBatch
-from gapo.trainer.loop import init_distributed
 
 
 def engine_logprobs(engine: VLLMEngine, seqs: list[list[int]]) -> list[list[float]]:

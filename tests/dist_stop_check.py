@@ -8,9 +8,9 @@ import sys
 from transformers import AutoTokenizer
 
 from gapo.data import arithmetic_problems, build_prompt_ids, stop_token_ids
+from gapo.distributed import init_distributed
 from gapo.rollout.types import SamplingConfig
 from gapo.rollout.vllm_engine import VLLMEngine
-from gapo.trainer.loop import init_distributed
 
 
 def main(model_dir: str, out_path: str) -> None:

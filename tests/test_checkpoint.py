@@ -8,10 +8,13 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 import yaml
+
+from gapo.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "WANDB_SILENT": "true"}
@@ -207,3 +210,64 @@ def test_damaged_checkpoints_give_a_clear_error(base, tmp_path, damage, needle):
 def test_unsafe_changes_on_resume_are_refused(base, tmp_path, args, nproc, needle):
     r = run(tmp_path / "x", *args, nproc=nproc, resume=base / "u1", ok=False)
     assert r.returncode != 0 and needle in r.stderr, r.stderr[-3000:]
+
+
+# --- the resume / branch decision on its own (no training: a checkpoint's files written by hand) ------------
+def _cfg(run_dir: Path, *overrides: str):
+    from gapo.config import load_config
+
+    return load_config("tiny_cpu", [f"trainer.output_dir={run_dir}", "algorithm.name=gspo", *overrides])
+
+
+def _fake_run(run_dir: Path, step: int = 2):
+    """A run directory whose latest checkpoint holds what checkpoint.read checks, written by gspo on 1 rank."""
+    from gapo.config import dump_config
+    from gapo.trainer import checkpoint
+
+    cfg = _cfg(run_dir)
+    ck = run_dir / "checkpoints" / f"step_{step:06d}"
+    (ck / "ds" / "state").mkdir(parents=True)
+    (ck / "hf").mkdir()
+    (ck / "hf" / "config.json").write_text("{}")
+    (ck / "config.yaml").write_text(dump_config(cfg))
+    state = checkpoint.TrainerState(step=step, sampler={}, world_size=1, wandb_id="w1")
+    (ck / "trainer.json").write_text(json.dumps(asdict(state)))
+    (run_dir / "checkpoints" / "latest").write_text(ck.name)
+    (run_dir / "metrics.jsonl").write_text("")
+    return ck
+
+
+def test_resume_goes_on_in_the_same_run_directory(tmp_path):
+    from gapo.trainer.checkpoint import resume_or_branch
+
+    ck = _fake_run(tmp_path / "r")
+    cfg = _cfg(tmp_path / "r", f"trainer.resume_from={tmp_path / 'r'}", "trainer.total_steps=9")
+    start = resume_or_branch(cfg, world=1, rank=0)
+    assert (start.ckpt, start.state.step, start.parent, start.branched) == (ck, 2, None, False)
+    assert cfg.trainer.output_dir == str(tmp_path / "r")
+
+
+def test_an_algorithm_change_on_resume_branches_next_to_the_parent(tmp_path):
+    from gapo.trainer.checkpoint import resume_or_branch
+
+    _fake_run(tmp_path / "r")
+    cfg = _cfg(tmp_path / "r", f"trainer.resume_from={tmp_path / 'r'}", "algorithm.name=gapo")
+    start = resume_or_branch(cfg, world=1, rank=0)
+    assert cfg.trainer.output_dir == f"{tmp_path / 'r'}-gapo-from-step2" and start.branched
+    assert start.parent == {"run_dir": str(tmp_path / "r"), "step": 2, "algorithm": "gspo", "wandb_id": "w1"}
+    # The branch's own directory already holding a run is refused, as for a fresh run.
+    (tmp_path / "r-gapo-from-step2").mkdir()
+    (tmp_path / "r-gapo-from-step2" / "metrics.jsonl").write_text("")
+    cfg = _cfg(tmp_path / "r", f"trainer.resume_from={tmp_path / 'r'}", "algorithm.name=gapo")
+    with pytest.raises(ConfigError, match="r-gapo-from-step2 already holds a run"):
+        resume_or_branch(cfg, world=1, rank=0)
+
+
+def test_a_fresh_run_refuses_a_directory_holding_a_run(tmp_path):
+    from gapo.trainer.checkpoint import resume_or_branch
+
+    _fake_run(tmp_path / "r")
+    with pytest.raises(ConfigError, match="already holds a run: continue it with --resume"):
+        resume_or_branch(_cfg(tmp_path / "r"), world=1, rank=0)
+    start = resume_or_branch(_cfg(tmp_path / "fresh"), world=1, rank=0)
+    assert start == (None, None, None, False)

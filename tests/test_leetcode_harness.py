@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from gapo.reward import sandbox
+from gapo.reward import sandbox_harness as harness
 from gapo.reward.code import CodeRunner
 
 STATEMENT = ("Please solve the programming task below using a self-contained code snippet in a markdown code "
@@ -347,22 +347,22 @@ def test_hostile_programs_cannot_fake_a_linked_answer(runner: CodeRunner, progra
 
 def test_tree_node_mirrors_deepcoder_semantics() -> None:
     """Level order with None holes; values past the last waiting parent are ignored; is_same_* compare shapes."""
-    tree = sandbox.tree_node([1, 2, 3, None, 4, None, None, 99])
+    tree = harness.tree_node([1, 2, 3, None, 4, None, None, 99])
     assert (tree.val, tree.left.val, tree.right.val, tree.left.left, tree.left.right.val) == (1, 2, 3, None, 4)
     assert tree.left.right.left.val == 99 and tree.right.left is None
-    assert sandbox.is_same_tree(sandbox.tree_node([1, None, None, 99]), sandbox.tree_node([1]))
-    assert sandbox.tree_node([]) is None and sandbox.list_node([]) is None
-    assert sandbox.is_same_tree(None, None) and sandbox.is_same_list(None, None)
-    assert not sandbox.is_same_tree(sandbox.tree_node([1, 2]), sandbox.tree_node([1, None, 2]))
-    assert not sandbox.is_same_list(sandbox.list_node([1, 2]), sandbox.list_node([1, 2, 3]))
-    head = sandbox.list_node([3, 1, 2])
+    assert harness.is_same_tree(harness.tree_node([1, None, None, 99]), harness.tree_node([1]))
+    assert harness.tree_node([]) is None and harness.list_node([]) is None
+    assert harness.is_same_tree(None, None) and harness.is_same_list(None, None)
+    assert not harness.is_same_tree(harness.tree_node([1, 2]), harness.tree_node([1, None, 2]))
+    assert not harness.is_same_list(harness.list_node([1, 2]), harness.list_node([1, 2, 3]))
+    head = harness.list_node([3, 1, 2])
     assert (head.val, head.next.val, head.next.next.val, head.next.next.next) == (3, 1, 2, None)
 
 
 def test_prelude_names() -> None:
     """The names DeepCoder's harness gives every program, including those our star imports do not bring."""
     namespace: dict = {}
-    exec(sandbox.PRELUDE, namespace)
+    exec(harness.PRELUDE, namespace)
     import copy
     import operator
     import os.path

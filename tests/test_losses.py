@@ -351,7 +351,7 @@ def _rank_part(rank: int, groups_off_policy: list[bool]) -> dict:
 
 
 def test_clip_metrics_count_only_off_policy_updates():
-    from gapo.trainer.loop import step_metrics
+    from gapo.trainer.step_metrics import step_metrics
 
     m = step_metrics([_rank_part(0, [False, True]), _rank_part(1, [False, True])], "sequence", 1.0, 1e-6, 1.0)
     # Off-policy: only the second mini-batch of each rank, 8 rollouts.
@@ -376,7 +376,7 @@ def test_clip_metrics_count_only_off_policy_updates():
 
 
 def test_step_without_off_policy_update_has_no_clip_metrics():
-    from gapo.trainer.loop import step_metrics
+    from gapo.trainer.step_metrics import step_metrics
 
     m = step_metrics([_rank_part(0, [False])], "sequence", 1.0, 1e-6, 1.0)
     assert m["all/clip_frac"] == 0.0 and m["all/clip_frac/c1"] == 0.0 and m["all/is_ratio/c1"] == 1.0

@@ -3,8 +3,8 @@ fp32 gradient accumulation, gradient checkpointing, token-budget micro-batches) 
 generating. Reports update tokens/s, MFU, peak memory against the memory plan's trainer share, and the first
 mini-batch's IS-ratio deviation (must be 0: the update recomputes exactly the old log-probs).
 
-    python bench/gpu/rl_steps.py [--new-tokens 1024] [--prompts 8]     # on a CUDA host, ~5 min on an H200
-    .venv/bin/python bench/gpu/rl_steps.py --cpu-smoke                  # the same code path, toy size, CPU
+    PYTHONPATH=. python bench/gpu/rl_steps.py [--new-tokens 1024] [--prompts 8]   # CUDA host, ~5 min on an H200
+    .venv/bin/python bench/gpu/rl_steps.py --cpu-smoke                              # same code path, toy size, CPU
 
 Needs gapo's Python dependencies except vLLM (the engine here is `rollout.engine=hf`): deepspeed, pydantic,
 pyyaml, tqdm, math-verify (the arithmetic reward) and if-verifiable (imported by gapo.evaluate). Random init:
@@ -26,8 +26,6 @@ import sys
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 PEAK_FLOPS = 989e12
 QWEN15 = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
@@ -68,9 +66,9 @@ def main() -> None:
     shutil.rmtree(args.out, ignore_errors=True)
     params = build_model(args.out / "model", TOY if args.cpu_smoke else QWEN15)
 
-    from gapo.config import resolve
+    from gapo.cli import train_main
+    from gapo.config import dump_config, resolve
     from gapo.memory import memory_plan
-    from gapo.trainer.loop import train
 
     rollouts = prompts * 8
     cfg = resolve({
@@ -83,9 +81,11 @@ def main() -> None:
                     "max_tokens_per_micro_batch": 4 * (128 + new)},
         "tracking": {"wandb": False},
     })
+    (args.out / "rl_steps.yaml").write_text(dump_config(cfg))
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    train(cfg)
+    if train_main(["--config", str(args.out / "rl_steps.yaml")]):  # in this process: its peak memory is read below
+        sys.exit("gapo-train failed")
     rows = [json.loads(x) for x in (args.out / "run" / "metrics.jsonl").read_text().splitlines()]
     rows = [x for x in rows if "reward/mean" in x]
     facts = json.loads((args.out / "model" / "config.json").read_text())

@@ -1,7 +1,7 @@
 """Trainer on one GPU (prepared for an H200): tokens/s and MFU of gapo's update at Qwen2.5-1.5B shape, and
 response log-prob memory at real size, each against bare transformers.
 
-    python bench/gpu/trainer_gpu.py [--reps 5] [--micro 4 1024] [--micro-per-step 4]
+    PYTHONPATH=. python bench/gpu/trainer_gpu.py [--reps 5] [--micro 4 1024] [--micro-per-step 4]
     .venv/bin/python bench/gpu/trainer_gpu.py --cpu-smoke     # the same code path, toy size, on the CPU
 
 Needs torch + transformers only: no DeepSpeed or vLLM (the actor's DeepSpeed wrapper is left out; what is
@@ -31,12 +31,10 @@ import functools
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from gapo.trainer import actor  # noqa: E402  (needs torch only: no deepspeed, vllm or pydantic on the device)
+from gapo.trainer import actor  # needs torch only: no deepspeed, vllm or pydantic on the device
 
 QWEN_1_5B = dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                  intermediate_size=8960, vocab_size=151_936)

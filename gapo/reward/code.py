@@ -17,7 +17,7 @@ eval; or the already-parsed object):
     a top-level function or a method of `class Solution`.
   * check(candidate) programs: LeetCode `{"functional": "<program that ends with check(Solution().m)>"}`
     and HumanEval+ `{"test": "<defines check(candidate)>", "entry_point": "name"}`. Call-based and check
-    cases get the names DeepCoder's harness provides (sandbox.PRELUDE: typing, collections, heapq, math,
+    cases get the names DeepCoder's harness provides (sandbox_harness.PRELUDE: typing, collections, heapq, math,
     `xor`, ...; TreeNode, ListNode, tree_node, list_node, is_same_tree, is_same_list).
 
 Comparison (done here, in the parent, never inside the sandbox):

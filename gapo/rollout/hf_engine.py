@@ -65,3 +65,7 @@ class HFEngine:
         """copy_ moves each tensor to the engine's device, whichever device the trainer gathered it on."""
         for name, tensor in weights:
             self.params[name].copy_(tensor)
+
+    def sleep(self) -> None:
+        """Sleep mode is vLLM's; the config refuses rollout.sleep_between_steps with this engine."""
+        raise RuntimeError("sleep() needs the vLLM engine (rollout.sleep_between_steps needs rollout.engine=vllm)")

@@ -24,12 +24,14 @@ import random
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import yaml
 
+from gapo import rundir
 from gapo.config import Config, ConfigError, dump_config, resolve
 
 log = logging.getLogger("gapo.checkpoint")
@@ -76,7 +78,7 @@ def _write_atomic(path: Path, text: str) -> None:
 def save(actor, tokenizer, cfg: Config, state: TrainerState, run_dir: Path) -> Path:
     """Collective: every rank calls it. Returns the checkpoint directory."""
     rank = dist.get_rank()
-    root = run_dir / "checkpoints"
+    root = run_dir / rundir.CHECKPOINTS
     name = f"step_{state.step:06d}"
     tmp, final = root / f".tmp-{name}", root / name
     if rank == 0:
@@ -94,7 +96,7 @@ def save(actor, tokenizer, cfg: Config, state: TrainerState, run_dir: Path) -> P
         actor.module.save_pretrained(tmp / "hf", state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(tmp / "hf")
         (tmp / "trainer.json").write_text(json.dumps(asdict(state), indent=1))
-        (tmp / "config.yaml").write_text(dump_config(cfg))
+        (tmp / rundir.CONFIG).write_text(dump_config(cfg))
     dist.barrier()
     if rank == 0:
         _fsync_tree(tmp)
@@ -120,14 +122,14 @@ def find(path: str | Path) -> Path:
     p = Path(path)
     if (p / "trainer.json").is_file():
         return p
-    latest = p / "checkpoints" / LATEST
+    latest = p / rundir.CHECKPOINTS / LATEST
     if latest.is_file():
-        ckpt = p / "checkpoints" / latest.read_text().strip()
+        ckpt = p / rundir.CHECKPOINTS / latest.read_text().strip()
         if not (ckpt / "trainer.json").is_file():
             raise ConfigError(f"--resume {path}: {latest} names {ckpt.name}, which is missing or incomplete")
         return ckpt
-    if p.is_dir() and (p / "checkpoints").is_dir():
-        raise ConfigError(f"--resume {path}: no complete checkpoint in {p / 'checkpoints'} (no 'latest' file)")
+    if p.is_dir() and (p / rundir.CHECKPOINTS).is_dir():
+        raise ConfigError(f"--resume {path}: no complete checkpoint in {p / rundir.CHECKPOINTS} (no 'latest' file)")
     raise ConfigError(f"--resume {path}: not a run directory with checkpoints, nor a checkpoint directory "
                       "(one holding trainer.json)")
 
@@ -135,7 +137,7 @@ def find(path: str | Path) -> Path:
 def read(ckpt: Path) -> tuple[TrainerState, Config]:
     try:
         state = TrainerState(**json.loads((ckpt / "trainer.json").read_text()))
-        saved = resolve(yaml.safe_load((ckpt / "config.yaml").read_text()))
+        saved = resolve(yaml.safe_load((ckpt / rundir.CONFIG).read_text()))
     except (OSError, ValueError, TypeError) as err:
         raise ConfigError(f"checkpoint {ckpt}: cannot read trainer.json / config.yaml ({err})") from None
     for must in ["ds/state", "hf/config.json"]:
@@ -165,6 +167,42 @@ def check_compatible(saved: Config, cfg: Config, state: TrainerState, world: int
         raise ConfigError(f"checkpoint was written by {state.world_size} ranks, this run has {world}: the ZeRO "
                           "partitions cannot be re-sharded on resume; resume with the same --nproc")
     return changed
+
+
+class Start(NamedTuple):
+    """How a run begins: fresh (ckpt None), going on from its own checkpoint, or branching from another run's."""
+
+    ckpt: Path | None
+    state: TrainerState | None
+    parent: dict | None  # the run branched from: a new branch's, or the one its own checkpoint records
+    branched: bool  # a new run (new directory, new wandb run) starting from `ckpt`
+
+
+def resume_or_branch(cfg: Config, world: int, rank: int) -> Start:
+    """Decided before anything is built, so that a bad checkpoint fails in seconds. Changing the algorithm
+    while resuming into the parent's own directory branches: cfg.trainer.output_dir is rewritten to a new
+    run next to the parent, whose log stays as it was. A fresh run or a branch refuses a directory that
+    already holds a run."""
+    ckpt, state, parent, branched = None, None, None, False
+    if cfg.trainer.resume_from:
+        ckpt = find(cfg.trainer.resume_from)
+        state, saved = read(ckpt)
+        changed = check_compatible(saved, cfg, state, world)
+        parent_dir = ckpt.parent.parent
+        if any(k.startswith("algorithm.") for k in changed) and \
+                Path(cfg.trainer.output_dir).resolve() == parent_dir.resolve():
+            cfg.trainer.output_dir = f"{parent_dir}-{cfg.algorithm.name}-from-step{state.step}"
+        branched = Path(cfg.trainer.output_dir).resolve() != parent_dir.resolve()
+        parent = {"run_dir": str(parent_dir), "step": state.step, "algorithm": saved.algorithm.name,
+                  "wandb_id": state.wandb_id} if branched else state.parent
+        if rank == 0:
+            log.info("resuming from %s (step %d)%s; changed: %s", ckpt, state.step,
+                     f", branching into {cfg.trainer.output_dir}" if branched else "", ", ".join(changed) or "-")
+    run_dir = Path(cfg.trainer.output_dir)
+    if (state is None or branched) and ((run_dir / rundir.METRICS).exists() or (run_dir / rundir.CHECKPOINTS).exists()):
+        raise ConfigError(f"trainer.output_dir={run_dir} already holds a run: continue it with --resume {run_dir}, "
+                          "or choose another output_dir")
+    return Start(ckpt, state, parent, branched)
 
 
 def load(actor, ckpt: Path) -> None:
@@ -209,11 +247,11 @@ def set_rng_state(state: dict) -> None:
 
 def truncate_metrics(run_dir: Path, step: int) -> None:
     """Drop lines logged after `step` by the interrupted attempt, so the log reads as one straight run."""
-    f = run_dir / "metrics.jsonl"
+    f = run_dir / rundir.METRICS
     if f.is_file():
         keep = [line for line in f.read_text().splitlines() if line and json.loads(line)["step"] <= step]
         _write_atomic(f, "".join(line + "\n" for line in keep))
-    r = run_dir / "rollouts.jsonl"
+    r = run_dir / rundir.ROLLOUTS
     if r.is_file():
         keep = [line for line in r.read_text().splitlines() if line and json.loads(line)["step"] <= step]
         _write_atomic(r, "".join(line + "\n" for line in keep))

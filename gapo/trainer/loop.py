@@ -11,9 +11,7 @@ every metric is computed exactly over the whole step.
 from __future__ import annotations
 
 import logging
-import os
 import random
-import socket
 import time
 from pathlib import Path
 
@@ -23,13 +21,15 @@ import torch.distributed as dist
 from torch import Tensor
 from tqdm import tqdm
 
-from gapo import console
+from gapo import console, rundir
 from gapo.config import Config, ConfigError
 from gapo.data import Sampler, load_training_set, stop_token_ids, tokenize_problems
+from gapo.distributed import gather, init_distributed
 from gapo.evaluate import evaluate, load_benchmark, summary, write_results
 from gapo.memory import plan_text
 from gapo.models import check_context_budget, resolve_model
 from gapo.reward.registry import score_groups
+from gapo.rollout.engine import build_engine
 from gapo.rollout.types import Rollout, SamplingConfig
 from gapo.tracking import Tracker
 from gapo.trainer import checkpoint
@@ -39,38 +39,16 @@ from gapo.trainer.losses import (
     StepNorm,
     gapo_clip_high,
     group_advantages,
-    group_metrics,
     kl_penalty,
     policy_loss,
-    update_metrics,
 )
+from gapo.trainer.step_metrics import step_metrics
 
 log = logging.getLogger("gapo.train")
 
 
 class TrainingDiverged(RuntimeError):
     """Too many optimizer steps in a row had a non-finite gradient: the run stops instead of idling."""
-
-
-def init_distributed() -> tuple[int, int]:
-    """torchrun sets RANK/WORLD_SIZE/MASTER_*; a plain `gapo-train` is a world of one on a free port."""
-    if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    import importlib
-
-    import deepspeed
-
-    if not torch.cuda.is_available():
-        # DeepSpeed JIT-compiles a shared-memory all-reduce for CPU *inference* on every fresh machine (~66 s);
-        # training never uses it, and without it DeepSpeed falls back to torch.distributed.
-        # (importlib: the attribute deepspeed.comm.torch is the torch module, re-exported.)
-        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
-    return dist.get_rank(), dist.get_world_size()
 
 
 def request_seed(seed: int, step: int, prompt_index: int) -> int:
@@ -90,28 +68,6 @@ def check_shapes(cfg: Config, world: int) -> tuple[int, int]:
     return r.prompts_per_step // world, t.ppo_mini_batch_size // world // t.micro_batch_size
 
 
-def build_engine(kind: str, model_dir: str, *, dtype: str, seed: int, max_model_len: int,
-                 gpu_memory_utilization: float = 0.5, kv_cache_gb: float | None = None, sleep_mode: bool = False,
-                 enforce_eager: bool = False):
-    """The rollout engine of `kind` (vllm | hf); on CPU vLLM's KV cache defaults to 1 GiB per rank."""
-    if kind == "hf":
-        from gapo.rollout.hf_engine import HFEngine
-
-        return HFEngine(model_dir, dtype=torch.bfloat16 if dtype == "bfloat16" else torch.float32)
-    from gapo.rollout.vllm_engine import VLLMEngine
-
-    return VLLMEngine(model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len,
-                      gpu_memory_utilization=gpu_memory_utilization, sleep_mode=sleep_mode,
-                      kv_cache_gb=kv_cache_gb or (None if torch.cuda.is_available() else 1.0),
-                      enforce_eager=enforce_eager)
-
-
-def gather(obj):
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
 def train(cfg: Config) -> Path:
     rank, world = init_distributed()
     prompts_per_rank, micro_per_step = check_shapes(cfg, world)
@@ -119,29 +75,11 @@ def train(cfg: Config) -> Path:
     np.random.seed(cfg.trainer.seed + rank)
     torch.manual_seed(cfg.trainer.seed + rank)
 
-    # --- resume / branch: decided before anything is built, so a bad checkpoint fails in seconds -----
-    ckpt, state, parent, branched = None, None, None, False
-    if cfg.trainer.resume_from:
-        ckpt = checkpoint.find(cfg.trainer.resume_from)
-        state, saved = checkpoint.read(ckpt)
-        changed = checkpoint.check_compatible(saved, cfg, state, world)
-        parent_dir = ckpt.parent.parent
-        if any(k.startswith("algorithm.") for k in changed) and \
-                Path(cfg.trainer.output_dir).resolve() == parent_dir.resolve():
-            # An intervention is a new run next to its parent; the parent's log stays as it was.
-            cfg.trainer.output_dir = f"{parent_dir}-{cfg.algorithm.name}-from-step{state.step}"
-        branched = Path(cfg.trainer.output_dir).resolve() != parent_dir.resolve()
-        parent = {"run_dir": str(parent_dir), "step": state.step, "algorithm": saved.algorithm.name,
-                  "wandb_id": state.wandb_id} if branched else state.parent
-        if rank == 0:
-            log.info("resuming from %s (step %d)%s; changed: %s", ckpt, state.step,
-                     f", branching into {cfg.trainer.output_dir}" if branched else "", ", ".join(changed) or "-")
+    # --- resume / branch (may move output_dir): decided before anything is built -----------------
+    ckpt, state, parent, branched = checkpoint.resume_or_branch(cfg, world, rank)
     t, r, a = cfg.trainer, cfg.rollout, cfg.algorithm
     run_dir = Path(t.output_dir)
-    if (state is None or branched) and ((run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists()):
-        raise ConfigError(f"trainer.output_dir={run_dir} already holds a run: continue it with --resume {run_dir}, "
-                          "or choose another output_dir")
-    console.attach(run_dir)
+    console.attach(run_dir)  # before the engine starts, so that its processes write to this run's train.log
     if rank == 0:
         console.say(console.run_header(cfg, run_dir, world))
 
@@ -155,7 +93,7 @@ def train(cfg: Config) -> Path:
                           "with trainer.check_memory=false: the plan is an estimate)")
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "memory_plan.txt").write_text(plan + "\n")
+        (run_dir / rundir.MEMORY_PLAN).write_text(plan + "\n")
         if device_gb:
             log.info("%s", plan)
 
@@ -219,7 +157,7 @@ def train(cfg: Config) -> Path:
             m = summary(results, ev.coverage_threshold)
             val_history.append((step, m))
             tracker.log(step, m)
-            write_results(results, run_dir / "val" / f"step_{step:06d}", {"step": step})
+            write_results(results, run_dir / rundir.VAL / f"step_{step:06d}", {"step": step})
             console.say(f"validation at step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in m.items()
                                                                       if k.startswith("val/mean/")))
 
@@ -417,44 +355,3 @@ def rollout_records(step, rank, prompt_idx, problems, groups, results, ga, eps_h
                     "adv": float(ga.adv[i]), "eps_hi": float(eps_hi[i]), "len": len(x.response_ids),
                     "truncated": x.truncated, "updates": updates[i]})
     return out
-
-
-def step_metrics(parts: list[dict], is_level: str, grad_norm: float, lr: float,
-                 correct_threshold: float) -> dict[str, float]:
-    """One step's logged numbers from every rank's per-rollout records."""
-    stats = RolloutStats.cat([p["stats"] for p in parts])
-    rewards = torch.cat([p["rewards"] for p in parts])
-    c, k = torch.cat([p["c"] for p in parts]), torch.cat([p["k"] for p in parts])
-    status = [s for p in parts for s in p["status"]]
-    lengths = np.array([n for p in parts for n in p["len"]])
-    mism = torch.cat([p["mismatch"] for p in parts]).double()
-    tokens = sum(p["tokens"] for p in parts)
-    gen_tokens = float(lengths.sum())
-    tim = {key: max(p["timings"][key] for p in parts) for key in parts[0]["timings"]}  # the slowest rank
-    first_dev = torch.cat([p["first_dev"] for p in parts]).double()
-    m = {"reward/mean": float(rewards.mean()),
-         "reward/correct_frac": float((rewards >= correct_threshold).double().mean())}
-    for s in ("correct", "wrong", "no_answer", "timeout", "error"):
-        m[f"reward/{s}_frac"] = status.count(s) / len(status)
-    m.update(group_metrics(c, k))
-    m.update(update_metrics(stats, torch.cat([p["off_policy"] for p in parts]), is_level))
-    m.update({"response/len_mean": float(lengths.mean()), "response/len_max": float(lengths.max()),
-              "response/truncated_frac": float(np.mean([x for p in parts for x in p["trunc"]])),
-              "entropy": sum(p["entropy_sum"] for p in parts) / max(tokens, 1.0),
-              # k3 KL(pi_old || pi_ref) per token at rollout time (0 without a reference model)
-              "kl_ref": sum(p["kl_ref_sum"] for p in parts) / max(tokens, 1.0),
-              "grad_norm": grad_norm, "lr": lr,
-              # optimizer steps of this step whose gradient was not finite (not applied)
-              "skipped_steps": float(parts[0]["skipped"]),
-              # max |log pi_theta - log pi_old| over the first mini-batch's tokens, where theta = theta_old:
-              # 0 exactly when the old-log-prob pass and the update compute the same thing
-              "first_minibatch/max_abs_log_ratio": float(first_dev.max()) if first_dev.numel() else 0.0,
-              "logprob_mismatch/mean_abs": float(mism.abs().mean()) if mism.numel() else 0.0,
-              "logprob_mismatch/max_abs": float(mism.abs().max()) if mism.numel() else 0.0,
-              # exp(mean(trainer - engine)): the IS ratio a sequence would carry from the engine alone
-              "logprob_mismatch/is_ratio": float(torch.exp(mism.mean())) if mism.numel() else 1.0})
-    m.update({f"time/{key}_s": v for key, v in tim.items()})
-    m["time/step_s"] = sum(tim.values())
-    m["throughput/gen_tokens_per_s"] = gen_tokens / max(tim["generate"], 1e-9)
-    m["throughput/train_tokens_per_s"] = tokens / max(tim["train"], 1e-9)
-    return m

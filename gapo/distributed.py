@@ -1,0 +1,42 @@
+"""Process-group plumbing: what training, gapo-eval, the benches and the distributed tests all set up the
+same way. torch is imported on use: gapo-train's launcher process (free_port, then torchrun) never loads it."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import socket
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now, for a rendezvous on this machine."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> tuple[int, int]:
+    """torchrun sets RANK/WORLD_SIZE/MASTER_*; a plain `gapo-train` is a world of one on a free port."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
+    if not torch.cuda.is_available():
+        # DeepSpeed JIT-compiles a shared-memory all-reduce for CPU *inference* on every fresh machine (~66 s);
+        # training never uses it, and without it DeepSpeed falls back to torch.distributed.
+        # (importlib: the attribute deepspeed.comm.torch is the torch module, re-exported.)
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def gather(obj) -> list:
+    """Every rank's `obj`, in rank order, on every rank (collective)."""
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out

@@ -1,0 +1,139 @@
+"""The package's shape, checked from the source: no import cycle among gapo's modules, the training loop a
+leaf that only the CLI imports, the sandbox's host and harness in files of their own, and both rollout
+engines satisfying the Engine protocol that the loop and gapo-eval are typed against.
+
+Imports are read with ast, including those inside functions: a lazy import still ties two modules together.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+LOOP = "gapo.trainer.loop"
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported(tree: ast.AST, modules: set[str] | None = None) -> set[str]:
+    """Every module an ast imports, anywhere in it. `from a.b import c` names a.b.c when that is one of
+    `modules`, else a.b."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                out.add(sub if modules is not None and sub in modules else node.module)
+    return out
+
+
+def import_graph(package: Path) -> dict[str, set[str]]:
+    """Module -> the modules of the package it imports."""
+    files = {module_name(p, package.parent): p for p in sorted(package.rglob("*.py"))}
+    return {name: imported(ast.parse(path.read_text()), set(files)) & set(files) - {name}
+            for name, path in files.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as [a, b, ..., a], or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (cycle := visit(start)):
+            return cycle
+    return None
+
+
+def test_find_cycle_finds_a_lazy_import_loop(tmp_path):
+    """The checker itself: evaluate <-> loop, the loop this layout removed, with one side importing lazily."""
+    pkg = tmp_path / "gapo"
+    (pkg / "trainer").mkdir(parents=True)
+    for init in (pkg / "__init__.py", pkg / "trainer" / "__init__.py"):
+        init.write_text("")
+    (pkg / "evaluate.py").write_text("def main():\n    from gapo.trainer.loop import build_engine\n")
+    (pkg / "trainer" / "loop.py").write_text("from gapo.evaluate import evaluate\n")
+    (pkg / "trainer" / "actor.py").write_text("from gapo.trainer import loop\n")
+    graph = import_graph(pkg)
+    assert graph["gapo.trainer.actor"] == {"gapo.trainer.loop"}
+    assert find_cycle(graph) == ["gapo.evaluate", "gapo.trainer.loop", "gapo.evaluate"]
+    (pkg / "evaluate.py").write_text("def main():\n    from gapo.rollout.engine import build_engine\n")
+    assert find_cycle(import_graph(pkg)) is None
+
+
+def test_no_import_cycle_in_gapo():
+    graph = import_graph(REPO / "gapo")
+    assert LOOP in graph and "gapo.evaluate" in graph
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def test_only_the_cli_imports_the_training_loop():
+    """The loop is the recipe; the plumbing it uses lives in gapo.distributed, gapo.rollout.engine and
+    gapo.trainer.checkpoint, so benches, tests and gapo-eval need not import it. A string naming the loop's
+    module counts too (importlib, mock.patch)."""
+    importers = []
+    for path in sorted(p for d in ("gapo", "tests", "bench") for p in (REPO / d).rglob("*.py")):
+        if path == Path(__file__).resolve():
+            continue
+        tree = ast.parse(path.read_text())
+        modules = imported(tree, {LOOP})
+        strings = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+        if LOOP in modules or any(s == LOOP or s.startswith(LOOP + ".") for s in strings):
+            importers.append(str(path.relative_to(REPO)))
+    assert importers == ["gapo/cli.py"]
+
+
+def test_sandbox_host_and_harness_are_separate_programs():
+    """The harness runs by path as PID 1 inside the namespaces (python -I: no gapo on its path), so it imports
+    the standard library only and ends in its entry point; the host is a plain module."""
+    host_path, harness_path = REPO / "gapo/reward/sandbox.py", REPO / "gapo/reward/sandbox_harness.py"
+    host, harness = ast.parse(host_path.read_text()), ast.parse(harness_path.read_text())
+
+    def main_blocks(tree: ast.Module) -> list[ast.If]:
+        return [n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "__name__ == '__main__'"]
+
+    assert main_blocks(host) == [] and "noqa: E402" not in host_path.read_text()
+    blocks = main_blocks(harness)
+    assert len(blocks) == 1 and blocks[0] is harness.body[-1], "the harness's entry point ends its file"
+    assert ast.unparse(blocks[0].body[0]) == "main()"
+    outside = {m for m in imported(harness) if m.split(".")[0] not in sys.stdlib_module_names}
+    assert outside == set(), f"the harness imports {outside}"
+    assert "gapo.reward.sandbox_harness" in imported(host, {"gapo.reward.sandbox_harness"})
+
+
+@pytest.mark.parametrize("module, cls", [("gapo.rollout.hf_engine", "HFEngine"),
+                                         ("gapo.rollout.vllm_engine", "VLLMEngine")])
+def test_engines_satisfy_the_engine_protocol(module, cls):
+    """Same methods, same parameter names, as the Protocol (vllm itself is imported only when an engine is built)."""
+    import importlib
+
+    from gapo.rollout.engine import Engine
+
+    engine = getattr(importlib.import_module(module), cls)
+    wanted = [name for name, f in vars(Engine).items() if inspect.isfunction(f) and not name.startswith("_")]
+    assert wanted == ["generate", "push_weights", "sleep"]
+    for name in wanted:
+        assert list(inspect.signature(getattr(engine, name)).parameters) == \
+            list(inspect.signature(getattr(Engine, name)).parameters), f"{cls}.{name}"
