@@ -17,6 +17,7 @@ import argparse
 import random
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -30,7 +31,8 @@ from _util import median  # noqa: E402
 from gapo.config import resolve  # noqa: E402
 from gapo.data import arithmetic_problems, build_prompt_ids  # noqa: E402
 from gapo.models import resolve_model  # noqa: E402
-from gapo.trainer.actor import Actor, MicroBatch  # noqa: E402
+from gapo.trainer.actor import Actor  # noqa: E402
+from gapo.trainer.logprobs import MicroBatch  # noqa: E402
 from gapo.trainer.loop import init_distributed  # noqa: E402
 from gapo.trainer.losses import StepNorm, policy_loss  # noqa: E402
 
@@ -71,8 +73,7 @@ def gapo_step(actor: Actor, mbs: list[MicroBatch], adv: torch.Tensor) -> None:
             logp, _ = actor.engine(mb, 1.0)
             B = mb.resp_mask.shape[0]
             ones = torch.ones(B)
-            loss, _ = policy_loss(logp, logp.detach(), mb.resp_mask, adv[:B], ones, 8 * ones, a.eps_lo, a.eps_hi,
-                                  norm, is_level=a.is_level, clip_rule=a.clip, loss_agg=a.loss_agg)
+            loss, _ = policy_loss(logp, replace(mb, old_logp=logp.detach(), adv=adv[:B], c=ones, k=8 * ones), norm, a)
             actor.backward(loss)
 
 

@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 from gapo.config import resolve
 from gapo.models import resolve_model
-from gapo.trainer.actor import Actor, MicroBatch
+from gapo.trainer.actor import Actor
+from gapo.trainer.logprobs import MicroBatch
 from gapo.trainer.loop import init_distributed
 
 

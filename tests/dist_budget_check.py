@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 from gapo.config import resolve
 from gapo.models import resolve_model
-from gapo.trainer.actor import Actor, MicroBatch, micro_batch_rows, response_logprobs
+from gapo.trainer.actor import Actor
+from gapo.trainer.logprobs import MicroBatch, micro_batch_rows, response_logprobs
 from gapo.trainer.loop import init_distributed
 
 N = 16  # rollouts in the mini-batch, over all ranks

@@ -9,7 +9,8 @@ import torch.distributed as dist
 
 from gapo.config import resolve
 from gapo.models import resolve_model
-from gapo.trainer.actor import Actor, MicroBatch, response_logprobs
+from gapo.trainer.actor import Actor
+from gapo.trainer.logprobs import MicroBatch, response_logprobs
 from gapo.trainer.loop import init_distributed
 
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from gapo.models import resolve_model
-from gapo.trainer import actor as actor_module
-from gapo.trainer.actor import MicroBatch, response_logprobs
+from gapo.trainer import logprobs as logprobs_module
+from gapo.trainer.logprobs import MicroBatch, response_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,7 @@ def test_pack_places_responses_after_their_prompts():
 
 @pytest.mark.parametrize("chunk, rows", [(1, 64), (3, 2), (1024, 64), (1024, 4)])
 def test_chunked_logprobs_values_entropy_and_gradients(model, chunk, rows, monkeypatch):
-    monkeypatch.setattr(actor_module, "ROWS", rows)  # softmax blocks inside a chunk, and their seams
+    monkeypatch.setattr(logprobs_module, "ROWS", rows)  # softmax blocks inside a chunk, and their seams
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 9, 2)]
     responses = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (4, 1, 7)]

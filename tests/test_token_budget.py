@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from gapo.config import ConfigError, resolve
-from gapo.trainer.actor import micro_batch_rows
+from gapo.trainer.logprobs import micro_batch_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
