@@ -7,6 +7,7 @@ import sys
 
 from transformers import AutoTokenizer
 
+from gapo.config import MATH_INSTRUCTION
 from gapo.data import arithmetic_problems, build_prompt_ids, stop_token_ids
 from gapo.rollout.types import SamplingConfig
 from gapo.rollout.vllm_engine import VLLMEngine
@@ -17,7 +18,7 @@ def main(model_dir: str, out_path: str) -> None:
     init_distributed()
     tok = AutoTokenizer.from_pretrained(model_dir)
     engine = VLLMEngine(model_dir, dtype="float32", seed=0, max_model_len=256, kv_cache_gb=0.25, enforce_eager=True)
-    prompts = [build_prompt_ids(tok, p, "Let's think step by step and output the final answer within \\boxed{}.")
+    prompts = [build_prompt_ids(tok, p, MATH_INSTRUCTION)
                for p in arithmetic_problems(4, seed=7, levels=["add_small"])]
     out = {"stop_ids": list(stop_token_ids(tok)), "im_end": tok.convert_tokens_to_ids("<|im_end|>")}
     for name, stops in (("with", stop_token_ids(tok)), ("without", ())):

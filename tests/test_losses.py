@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from gapo.config import AlgorithmConfig
+from gapo.reward.types import FLAG_UNISOLATED, RewardResult, status_counts
 from gapo.trainer.logprobs import MicroBatch
 from gapo.trainer.losses import (
     RolloutStats,
@@ -362,7 +363,7 @@ OFF_RATIOS = {0: [1.3, 0.9, 0.7, 1.0],  # c = 1: correct 1.3 > 1.28 clips high; 
 REWARDS = {0: [1.0, 0.0, 0.0, 0.0], 1: [1.0, 1.0, 0.0, 0.0]}
 
 
-def _rank_part(rank: int, groups_off_policy: list[bool]) -> dict:
+def _rank_part(rank: int, groups_off_policy: list[bool], results: list[RewardResult] | None = None) -> dict:
     """What one rank's loop gathers for a step: per micro-batch stats from a real loss evaluation."""
     g = torch.Generator().manual_seed(rank)
     rewards = torch.tensor(REWARDS[rank] * len(groups_off_policy))
@@ -381,7 +382,8 @@ def _rank_part(rank: int, groups_off_policy: list[bool]) -> dict:
         off.append(torch.full((4,), moved))
     n = len(rewards)
     return {"stats": RolloutStats.cat(stats), "off_policy": torch.cat(off), "rewards": rewards, "c": ga.c,
-            "k": ga.k, "status": ["correct"] * n, "len": [4] * n, "trunc": [False] * n, "mismatch": torch.zeros(0),
+            "k": ga.k, "reward_counts": status_counts(results or [RewardResult.of("correct")] * n), "len": [4] * n,
+            "trunc": [False] * n, "mismatch": torch.zeros(0),
             "entropy_sum": 0.0, "kl_ref_sum": 0.0, "first_dev": torch.zeros(1), "skipped": 0, "tokens": 18.0 * n,
             "timings": {"generate": 1.0, "train": 1.0}}
 
@@ -418,6 +420,24 @@ def test_step_without_off_policy_update_has_no_clip_metrics():
     assert m["all/clip_frac"] == 0.0 and m["all/clip_frac/c1"] == 0.0 and m["all/is_ratio/c1"] == 1.0
     for key in ("clip_frac", "clip_frac/c1", "clip_hi/c1", "is_adv_corr", "approx_kl", "is_ratio/mean"):
         assert key not in m, key
+
+
+def test_reward_statuses_and_flags_reach_the_step_metrics():
+    """Every status is a fraction of the step's rollouts over all ranks, and so is every flag a rewarder raised
+    (an unisolated sandbox must show in the metrics, not only in a log line)."""
+    from gapo.trainer.loop import step_metrics
+
+    unisolated = (FLAG_UNISOLATED,)
+    rank0 = [RewardResult.of("correct", flags=unisolated)] * 3 + [RewardResult.of("wrong", flags=unisolated)] + \
+        [RewardResult.of("timeout")] * 4
+    rank1 = [RewardResult.of("wrong")] * 7 + [RewardResult.of("error")]
+    parts = [_rank_part(0, [False, True], rank0), _rank_part(1, [False, True], rank1)]
+    m = step_metrics(parts, "sequence", 1.0, 1e-6, 1.0)
+    assert m["reward/unisolated_frac"] == 4 / 16
+    assert (m["reward/correct_frac"], m["reward/wrong_frac"], m["reward/timeout_frac"], m["reward/error_frac"],
+            m["reward/no_answer_frac"]) == (3 / 16, 8 / 16, 4 / 16, 1 / 16, 0.0)
+    assert "reward/gold_text_only_frac" not in m  # a flag nobody raised is not a metric
+    assert "reward/unisolated_frac" not in step_metrics(parts[1:], "sequence", 1.0, 1e-6, 1.0)
 
 
 def test_update_metrics_on_token_units():

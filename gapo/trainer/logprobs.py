@@ -92,13 +92,13 @@ class MicroBatch:
             for u, p in enumerate(distinct):
                 pre_ids[u, :len(p) - 1] = torch.tensor(p[:-1])
                 pre_mask[u, :len(p) - 1] = 1
-            index = {p: u for u, p in enumerate(distinct)}
+            slot = {p: u for u, p in enumerate(distinct)}
             suf_ids = torch.full((B, S), pad_id, dtype=torch.long)
             suf_mask = torch.zeros(B, S, dtype=torch.long)
             for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
                 suf_ids[i, :len(r) + 1] = torch.tensor(p[-1:] + r)
                 suf_mask[i, :len(r) + 1] = 1
-            row = torch.tensor([index[tuple(p)] for p in prompts])
+            row = torch.tensor([slot[tuple(p)] for p in prompts])
             plen = torch.tensor([len(p) - 1 for p in prompts])
             shared = SharedPrompts(pre_ids, pre_mask, row, suf_ids, suf_mask, plen[:, None] + torch.arange(S))
         if keep is not None:

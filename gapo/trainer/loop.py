@@ -15,6 +15,7 @@ import os
 import random
 import socket
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +30,7 @@ from gapo.evaluate import evaluate, load_benchmark, summary, write_results
 from gapo.memory import plan_text
 from gapo.models import check_context_budget, resolve_model
 from gapo.reward.registry import score_groups
+from gapo.reward.types import status_counts
 from gapo.rollout.types import Rollout, SamplingConfig
 from gapo.tracking import Tracker
 from gapo.trainer import checkpoint
@@ -345,7 +347,7 @@ def train(cfg: Config) -> Path:
 
         # --- 6. metrics over all ranks -------------------------------------------------------------
         local = {"stats": RolloutStats.cat(stats), "rewards": rewards, "c": ga.c, "k": ga.k,
-                 "status": [res.status for res in flat_results],
+                 "reward_counts": status_counts(flat_results),
                  "len": [len(x.response_ids) for x in rollouts], "trunc": [x.truncated for x in rollouts],
                  "mismatch": torch.cat(mismatch), "entropy_sum": entropy_sum, "kl_ref_sum": kl_ref_sum,
                  "first_dev": torch.cat(first_dev), "off_policy": torch.cat(off_policy), "skipped": skipped,
@@ -410,7 +412,9 @@ def step_metrics(parts: list[dict], is_level: str, grad_norm: float, lr: float,
     stats = RolloutStats.cat([p["stats"] for p in parts])
     rewards = torch.cat([p["rewards"] for p in parts])
     c, k = torch.cat([p["c"] for p in parts]), torch.cat([p["k"] for p in parts])
-    status = [s for p in parts for s in p["status"]]
+    counts: Counter[str] = Counter()
+    for p in parts:
+        counts.update(p["reward_counts"])  # every status (zeros too) and every flag raised, e.g. an unisolated sandbox
     lengths = np.array([n for p in parts for n in p["len"]])
     mism = torch.cat([p["mismatch"] for p in parts]).double()
     tokens = sum(p["tokens"] for p in parts)
@@ -419,8 +423,8 @@ def step_metrics(parts: list[dict], is_level: str, grad_norm: float, lr: float,
     first_dev = torch.cat([p["first_dev"] for p in parts]).double()
     m = {"reward/mean": float(rewards.mean()),
          "reward/correct_frac": float((rewards >= correct_threshold).double().mean())}
-    for s in ("correct", "wrong", "no_answer", "timeout", "error"):
-        m[f"reward/{s}_frac"] = status.count(s) / len(status)
+    for key, n in counts.items():
+        m[f"reward/{key}_frac"] = n / len(rewards)
     m.update(group_metrics(c, k))
     m.update(update_metrics(stats, torch.cat([p["off_policy"] for p in parts]), is_level))
     m.update({"response/len_mean": float(lengths.mean()), "response/len_max": float(lengths.max()),
