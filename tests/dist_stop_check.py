@@ -14,7 +14,7 @@ from gapo.rollout.vllm_engine import VLLMEngine
 from gapo.trainer.loop import init_distributed
 
 
-def main(model_dir: str, out_path: str) -> None:
+def main(out_path: str, model_dir: str) -> None:
     init_distributed()
     tok = AutoTokenizer.from_pretrained(model_dir)
     engine = VLLMEngine(model_dir, dtype="float32", seed=0, max_model_len=256, kv_cache_gb=0.25, enforce_eager=True)
@@ -25,7 +25,7 @@ def main(model_dir: str, out_path: str) -> None:
         groups = engine.generate(prompts, SamplingConfig(n=4, temperature=1.0, top_p=1.0, max_new_tokens=40,
                                                          stop_token_ids=stops), seeds=[1, 2, 3, 4])
         out[name] = [[x.response_ids, x.text] for g in groups for x in g]
-    with open(out_path, "w") as f:
+    with open(f"{out_path}.0", "w") as f:
         json.dump(out, f)
 
 
