@@ -33,7 +33,7 @@ import psutil
 import torch
 from _util import median
 
-from gapo.trainer import actor
+from gapo.trainer import logprobs
 
 VOCAB, PROMPT = 151_936, 16
 CASES = ("gapo_fwd", "gapo_bwd", "naive_fwd", "naive_bwd", "decoder_bwd", "chunk_fwd", "chunk_bwd")
@@ -51,16 +51,16 @@ def build(batch: int, resp_len: int):
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(VOCAB, (PROMPT,), generator=g).tolist() for _ in range(batch)]
     responses = [torch.randint(VOCAB, (resp_len,), generator=g).tolist() for _ in range(batch)]
-    return model, actor.MicroBatch.pack(prompts, responses, pad_id=0)
+    return model, logprobs.MicroBatch.pack(prompts, responses, pad_id=0)
 
 
-def run_case(case: str, model, mb: actor.MicroBatch) -> None:
+def run_case(case: str, model, mb: logprobs.MicroBatch) -> None:
     decoder, head = model.get_decoder(), model.get_output_embeddings()
     if case == "gapo_fwd":
         with torch.no_grad():
-            actor.response_logprobs(decoder, head, mb, 1.0)
+            logprobs.response_logprobs(decoder, head, mb, 1.0)
     elif case == "gapo_bwd":
-        logp, _ = actor.response_logprobs(decoder, head, mb, 1.0)
+        logp, _ = logprobs.response_logprobs(decoder, head, mb, 1.0)
         (logp * mb.resp_mask).sum().backward()
     elif case.startswith("naive"):
         with torch.set_grad_enabled(case == "naive_bwd"):
@@ -71,13 +71,14 @@ def run_case(case: str, model, mb: actor.MicroBatch) -> None:
     elif case == "decoder_bwd":
         decoder(input_ids=mb.input_ids, attention_mask=mb.attention_mask).last_hidden_state.sum().backward()
     else:  # one chunk of the vocab projection, as response_logprobs runs it
-        h = torch.randn(actor.LOGIT_CHUNK, model.config.hidden_size, requires_grad=case == "chunk_bwd")
-        t = torch.randint(VOCAB, (actor.LOGIT_CHUNK,))
+        h = torch.randn(logprobs.LOGIT_CHUNK, model.config.hidden_size, requires_grad=case == "chunk_bwd")
+        t = torch.randint(VOCAB, (logprobs.LOGIT_CHUNK,))
         if case == "chunk_fwd":
             with torch.no_grad():
-                actor._token_logp(head, h, t, 1.0)
+                logprobs._token_logp(head, h, t, 1.0)
         else:
-            torch.utils.checkpoint.checkpoint(actor._token_logp, head, h, t, 1.0, use_reentrant=False).sum().backward()
+            torch.utils.checkpoint.checkpoint(logprobs._token_logp, head, h, t, 1.0,
+                                              use_reentrant=False).sum().backward()
 
 
 def child(case: str, batch: int, resp_len: int) -> None:
@@ -121,12 +122,12 @@ def main() -> None:
         return median([x[key] for x in res[case]])
 
     model = next(iter(res.values()))[0]["model"]
-    chunk = actor.LOGIT_CHUNK * VOCAB * 4 / GIB
+    chunk = logprobs.LOGIT_CHUNK * VOCAB * 4 / GIB
     full = args.batch * args.resp_len * VOCAB * 4 / GIB
     goal = 1.3 * (model + chunk)
     print(f"\n== response log-prob memory (tiny Qwen2, hidden 64, vocab {VOCAB}, fp32 CPU; {args.batch} x "
           f"{args.resp_len} response tokens) ==")
-    print(f"model {model:.3f} GiB; one chunk's logits ({actor.LOGIT_CHUNK} x {VOCAB} fp32) {chunk:.3f} GiB; "
+    print(f"model {model:.3f} GiB; one chunk's logits ({logprobs.LOGIT_CHUNK} x {VOCAB} fp32) {chunk:.3f} GiB; "
           f"a [B, T, V] fp32 tensor would be {full:.2f} GiB")
     print(f"goal: model + peak above baseline <= 1.3 x (model + one chunk) = {goal:.3f} GiB")
     for case in ("gapo_fwd", "gapo_bwd"):

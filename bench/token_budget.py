@@ -4,7 +4,7 @@
 
 Long-reasoning runs have a long tail of response lengths: with micro-batches of `--rows` rollouts in sampling
 order, every row is padded to its micro-batch's longest. The budget packs longest first, as many rollouts per
-micro-batch as rows x longest <= `--budget` (gapo.trainer.actor.micro_batch_rows). Response lengths are drawn
+micro-batch as rows x longest <= `--budget` (gapo.trainer.logprobs.micro_batch_rows). Response lengths are drawn
 from a log-normal (median 300, clipped to 16..2,048 tokens, seed 0) after a 64-token prompt. A small random
 Qwen2 (hidden 256, 4 layers, vocab 4,096, fp32) runs gapo's `response_logprobs` forward + backward over every
 micro-batch of the mini-batch; the two packings alternate within each of `--reps` rounds and the medians are
@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from _util import median
 
-from gapo.trainer.actor import MicroBatch, micro_batch_rows, response_logprobs
+from gapo.trainer.logprobs import MicroBatch, micro_batch_rows, response_logprobs
 
 PROMPT = 64
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import random
 import time
+from dataclasses import replace
 
 import torch
 from _util import median
@@ -24,7 +25,8 @@ from gapo.config import resolve
 from gapo.data import arithmetic_problems, build_prompt_ids
 from gapo.distributed import init_distributed
 from gapo.models import resolve_model
-from gapo.trainer.actor import Actor, MicroBatch
+from gapo.trainer.actor import Actor
+from gapo.trainer.logprobs import MicroBatch
 from gapo.trainer.losses import StepNorm, policy_loss
 
 ROLLOUTS, MINI, MICRO = 64, 32, 8
@@ -64,8 +66,7 @@ def gapo_step(actor: Actor, mbs: list[MicroBatch], adv: torch.Tensor) -> None:
             logp, _ = actor.engine(mb, 1.0)
             B = mb.resp_mask.shape[0]
             ones = torch.ones(B)
-            loss, _ = policy_loss(logp, logp.detach(), mb.resp_mask, adv[:B], ones, 8 * ones, a.eps_lo, a.eps_hi,
-                                  norm, is_level=a.is_level, clip_rule=a.clip, loss_agg=a.loss_agg)
+            loss, _ = policy_loss(logp, replace(mb, old_logp=logp.detach(), adv=adv[:B], c=ones, k=8 * ones), norm, a)
             actor.backward(loss)
 
 

@@ -32,6 +32,9 @@ IsLevel = Literal["token", "sequence"]
 ClipRule = Literal["fixed", "adaptive", "cispo"]
 LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_sum_constant"]
 
+# The math prompts' instruction (DeepScaleR's, the paper's): data.instruction's default, and gapo-eval's for math.
+MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
+
 
 class ConfigError(ValueError):
     """A configuration the user must fix; the message names the key, the value and what is allowed."""
@@ -155,7 +158,7 @@ class DataConfig(_Section):
     type: Literal["math", "code"] = "math"
     prompt_key: str = "problem"
     answer_key: str = "answer"
-    instruction: str = "Let's think step by step and output the final answer within \\boxed{}."
+    instruction: str = MATH_INSTRUCTION
     max_prompt_tokens: int = Field(512, gt=0)
     dedup: bool = Field(False, description="Drop problems whose normalised text (case, whitespace) repeats an "
                                            "earlier one; the count is logged.")

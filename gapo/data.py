@@ -29,8 +29,12 @@ class Problem:
     meta: dict = field(default_factory=dict)
 
 
+_DEFAULT = DataConfig()  # the default training set: its size and seed are the config's
+
+
 def load_problems(source: str, *, prompt_key: str = "problem", answer_key: str = "answer", split: str = "train",
-                  subset: str | None = None, arithmetic_size: int = 2000, arithmetic_seed: int = 1234,
+                  subset: str | None = None, arithmetic_size: int = _DEFAULT.arithmetic_size,
+                  arithmetic_seed: int = _DEFAULT.arithmetic_seed,
                   arithmetic_levels: list[str] | None = None, sample: int | None = None) -> list[Problem]:
     """JSON (a list of records), JSONL, parquet, a Hugging Face dataset name (`subset`: its configuration),
     or `arithmetic`. `sample`: only the first N records, streamed from the hub (a rehearsal checks the loader
@@ -178,7 +182,7 @@ LEVELS = (
 )
 
 
-def arithmetic_problems(n: int, seed: int = 1234, exclude: set[str] | None = None,
+def arithmetic_problems(n: int, seed: int = _DEFAULT.arithmetic_seed, exclude: set[str] | None = None,
                         levels: list[str] | None = None) -> list[Problem]:
     """n distinct problems, levels taken in turn, deterministic in `seed`; `exclude` keeps a held-out set
     disjoint from training."""

@@ -33,15 +33,13 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from gapo import ifeval
-from gapo.config import ConfigError, RewardConfig, load_config
+from gapo.config import MATH_INSTRUCTION, ConfigError, DataConfig, RewardConfig, load_config
 from gapo.data import Problem, arithmetic_problems, build_prompt_ids, load_problems, stop_token_ids
 from gapo.distributed import gather
 from gapo.metrics import coverage, pass_at_k
 from gapo.reward.registry import score_groups
 from gapo.rollout.engine import Engine
 from gapo.rollout.types import SamplingConfig
-
-MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
 
 
 @dataclass(frozen=True)
@@ -95,7 +93,8 @@ def load_benchmark(spec: str, limit: int | None = None, exclude: set[str] | None
     keys = {"prompt_key": known.prompt_key, "answer_key": known.answer_key} if known else {}
     if name == "arithmetic" and not path:
         if exclude is None:
-            exclude = {p.question for p in arithmetic_problems(2000, seed=1234)}  # the default training set
+            d = DataConfig()  # the default training set
+            exclude = {p.question for p in arithmetic_problems(d.arithmetic_size, seed=d.arithmetic_seed)}
         problems = arithmetic_problems(limit or 200, seed=4242, exclude=exclude, levels=levels)
     elif path:
         problems = load_problems(path, **keys)

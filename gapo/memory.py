@@ -45,7 +45,7 @@ q, k, v, output and mask as the CPU one):
   layer saves its own copy). Quadratic in the sequence length: at 25,600 tokens it is 15 GiB.
 - Logits: the head runs on response positions only, LOGIT_CHUNK tokens at a time; the chunk's logits are
   in model dtype (fp32 only LOGPROB_ROWS rows at a time) and are turned into their own gradient in place,
-  recomputed in backward (gapo/trainer/actor.py), so one chunk * vocab * b, plus the head's weight gradient
+  recomputed in backward (gapo/trainer/logprobs.py), so one chunk * vocab * b, plus the head's weight gradient
   at full size (vocab * h * b) before ZeRO reduces it. The head phase and the layer backward do not peak
   at the same moment; adding both is conservative by about a GiB.
 
@@ -72,7 +72,7 @@ if TYPE_CHECKING:
 
 GiB = 2**30
 
-# Mirrors gapo.trainer.actor.LOGIT_CHUNK / ROWS (that module imports torch; this one must not). A test
+# Mirrors gapo.trainer.logprobs.LOGIT_CHUNK / ROWS (that module imports torch; this one must not). A test
 # checks they agree.
 LOGIT_CHUNK = 1024
 LOGPROB_ROWS = 64

@@ -24,7 +24,7 @@ import tempfile
 from functools import partial
 from pathlib import Path
 
-from gapo.config import Config, ConfigError
+from gapo.config import MATH_INSTRUCTION, Config, ConfigError
 
 log = logging.getLogger("gapo.models")
 
@@ -198,7 +198,7 @@ def _build_tiny(model_type: str, tie: bool, out: Path) -> None:
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    corpus = ["What is 12 + 7? Let's think step by step and output the final answer within \\boxed{}.",
+    corpus = [f"What is 12 + 7? {MATH_INSTRUCTION}",
               "The answer is \\boxed{19}. 0 1 2 3 4 5 6 7 8 9 + - * = ( ) { } user assistant system"] * 4
     tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=320, special_tokens=special,
                                                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
@@ -227,8 +227,7 @@ def _warm_start(model, tokenizer, steps: int = 200) -> None:
     problems = arithmetic_problems(300, seed=99, levels=["add_small"])
     seqs = []
     for p in problems:
-        prompt = build_prompt_ids(tokenizer, p, "Let's think step by step and output the final answer within "
-                                                "\\boxed{}.")
+        prompt = build_prompt_ids(tokenizer, p, MATH_INSTRUCTION)
         reply = tokenizer(f"The answer is \\boxed{{{p.gold}}}.", add_special_tokens=False)["input_ids"]
         seqs.append((prompt, reply + [tokenizer.eos_token_id]))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)

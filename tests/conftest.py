@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -93,3 +95,32 @@ def shared_data(tmp_path_factory) -> Callable[[str], Path]:
 def shared_records(shared_data) -> Callable[[str], list]:
     """`shared_records("code/leetcode.json")` -> the file's records (a JSON list), found as by shared_data."""
     return lambda relpath: json.loads(shared_data(relpath).read_text())
+
+
+# --------------------------------------------------------------------------------------------------
+# Helpers shared by several test files
+# --------------------------------------------------------------------------------------------------
+# For subprocesses: OpenMP threads that spin while waiting would starve the other ranks on a small machine.
+ENV = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "WANDB_SILENT": "true"}
+
+
+def fenced(program: str, tag: str = "python") -> str:
+    """A response that gives `program` in a fenced code block, with prose around it as a model writes."""
+    return f"Here is my solution.\n```{tag}\n{program}\n```\nDone."
+
+
+@pytest.fixture
+def torchrun(tmp_path) -> Callable[..., list[dict]]:
+    """`torchrun("dist_grad_check.py", "3", nproc=2)` runs tests/dist_grad_check.py under torchrun from the
+    repository root, with an output path before the given arguments, and returns each rank's JSON result (the
+    script writes <out>.<rank>). A failed run fails the test with the end of its stderr."""
+
+    def run(script: str, *args: str, nproc: int, timeout: int = 300) -> list[dict]:
+        out = tmp_path / Path(script).stem
+        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                            f"tests/{script}", str(out), *args], cwd=REPO, env=ENV, capture_output=True, text=True,
+                           timeout=timeout)
+        assert r.returncode == 0, r.stderr[-4000:]
+        return [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(nproc)]
+
+    return run

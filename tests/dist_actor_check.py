@@ -13,7 +13,8 @@ import torch.distributed as dist
 from gapo.config import resolve
 from gapo.distributed import init_distributed
 from gapo.models import resolve_model
-from gapo.trainer.actor import Actor, MicroBatch
+from gapo.trainer.actor import Actor
+from gapo.trainer.logprobs import MicroBatch
 
 
 def batches(seed: int, rank: int) -> list[MicroBatch]:

@@ -12,7 +12,8 @@ import torch.distributed as dist
 from gapo.config import resolve
 from gapo.distributed import init_distributed
 from gapo.models import resolve_model
-from gapo.trainer.actor import Actor, MicroBatch, micro_batch_rows, response_logprobs
+from gapo.trainer.actor import Actor
+from gapo.trainer.logprobs import MicroBatch, micro_batch_rows, response_logprobs
 
 N = 16  # rollouts in the mini-batch, over all ranks
 SPLITS = {"count_4": (4, None), "budget_48": (8, 48), "budget_120": (8, 120)}  # (max rows, token budget)

@@ -10,7 +10,8 @@ import torch.distributed as dist
 from gapo.config import resolve
 from gapo.distributed import init_distributed
 from gapo.models import resolve_model
-from gapo.trainer.actor import Actor, MicroBatch, response_logprobs
+from gapo.trainer.actor import Actor
+from gapo.trainer.logprobs import MicroBatch, response_logprobs
 
 
 def main(out_path: str, stage: int) -> None:

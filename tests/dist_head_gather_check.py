@@ -7,18 +7,19 @@ import sys
 import torch
 from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
 
-import gapo.trainer.actor as actor_module
+import gapo.trainer.logprobs as logprobs_module
 from gapo.config import resolve
 from gapo.distributed import init_distributed
 from gapo.models import resolve_model
-from gapo.trainer.actor import Actor, MicroBatch
+from gapo.trainer.actor import Actor
+from gapo.trainer.logprobs import MicroBatch
 
 CHUNK = 4  # response tokens per logit chunk: 2 rollouts x 12 tokens = 6 chunks
 
 
 def main(out_path: str) -> None:
     rank, world = init_distributed()
-    actor_module.LOGIT_CHUNK = CHUNK
+    logprobs_module.LOGIT_CHUNK = CHUNK
     cfg = resolve({"model": {"path": "tiny-qwen2"}, "rollout": {"prompts_per_step": 1, "group_size": 4},
                    "trainer": {"zero_stage": 3, "micro_batch_size": 2, "ppo_mini_batch_size": 4}})
     actor = Actor(cfg, str(resolve_model("tiny-qwen2")), steps_per_rollout=1, micro_per_step=1)

@@ -6,14 +6,15 @@ import sys
 
 import torch
 
-import gapo.trainer.actor as actor_mod
+import gapo.trainer.logprobs as logprobs_mod
 from gapo.config import resolve
 from gapo.data import arithmetic_problems, build_prompt_ids
 from gapo.distributed import init_distributed
 from gapo.models import resolve_model
 from gapo.rollout.hf_engine import HFEngine
 from gapo.rollout.vllm_engine import VLLMEngine
-from gapo.trainer.actor import Actor, MicroBatch
+from gapo.trainer.actor import Actor
+from gapo.trainer.logprobs import MicroBatch
 
 
 def engine_logprobs(engine: VLLMEngine, seqs: list[list[int]]) -> list[list[float]]:
@@ -43,7 +44,7 @@ def main(out_path: str) -> None:
 
     before = engine_logprobs(engine, seqs)  # cache the prefixes with the initial weights
     # One real update (different data per rank, so gradients are all-reduced for real).
-    actor_mod.LOGIT_CHUNK = 7  # chunks that split sequences
+    logprobs_mod.LOGIT_CHUNK = 7  # chunks that split sequences
     logp, _ = actor.engine(mb, 1.0)
     actor.backward(-(logp * mb.resp_mask).sum() / mb.resp_mask.sum())
     with torch.no_grad():

@@ -7,24 +7,25 @@ import sys
 
 from transformers import AutoTokenizer
 
+from gapo.config import MATH_INSTRUCTION
 from gapo.data import arithmetic_problems, build_prompt_ids, stop_token_ids
 from gapo.distributed import init_distributed
 from gapo.rollout.types import SamplingConfig
 from gapo.rollout.vllm_engine import VLLMEngine
 
 
-def main(model_dir: str, out_path: str) -> None:
+def main(out_path: str, model_dir: str) -> None:
     init_distributed()
     tok = AutoTokenizer.from_pretrained(model_dir)
     engine = VLLMEngine(model_dir, dtype="float32", seed=0, max_model_len=256, kv_cache_gb=0.25, enforce_eager=True)
-    prompts = [build_prompt_ids(tok, p, "Let's think step by step and output the final answer within \\boxed{}.")
+    prompts = [build_prompt_ids(tok, p, MATH_INSTRUCTION)
                for p in arithmetic_problems(4, seed=7, levels=["add_small"])]
     out = {"stop_ids": list(stop_token_ids(tok)), "im_end": tok.convert_tokens_to_ids("<|im_end|>")}
     for name, stops in (("with", stop_token_ids(tok)), ("without", ())):
         groups = engine.generate(prompts, SamplingConfig(n=4, temperature=1.0, top_p=1.0, max_new_tokens=40,
                                                          stop_token_ids=stops), seeds=[1, 2, 3, 4])
         out[name] = [[x.response_ids, x.text] for g in groups for x in g]
-    with open(out_path, "w") as f:
+    with open(f"{out_path}.0", "w") as f:
         json.dump(out, f)
 
 

@@ -1,16 +1,7 @@
 """The DeepSpeed actor as the paper configs build it (bf16, ZeRO-3, several ranks): gradients accumulate and
 travel in fp32, and a non-finite step never reaches the weights."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
 
 
 @pytest.mark.parametrize("dtype, stage, nproc, ran_at", [
@@ -19,14 +10,8 @@ ENV = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
     ("bfloat16", 3, 2, 3),
     ("float32", 2, 2, 2),
 ])
-def test_actor_accumulates_in_fp32_and_skips_a_nan_step(tmp_path, dtype, stage, nproc, ran_at):
-    out = tmp_path / "actor"
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                        "tests/dist_actor_check.py", str(out), dtype, str(stage)], cwd=ROOT, env=ENV,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-4000:]
-    for rank in range(nproc):
-        res = json.loads(Path(f"{out}.{rank}").read_text())
+def test_actor_accumulates_in_fp32_and_skips_a_nan_step(torchrun, dtype, stage, nproc, ran_at):
+    for res in torchrun("dist_actor_check.py", dtype, str(stage), nproc=nproc):
         assert res["stage"] == ran_at
         if dtype == "bfloat16":
             assert (res["model_dtype"], res["accum_dtype"], res["comm_dtype"]) == (
@@ -40,14 +25,8 @@ def test_actor_accumulates_in_fp32_and_skips_a_nan_step(tmp_path, dtype, stage, 
         assert res["same_end"]
 
 
-def test_zero3_gathers_the_vocab_head_once_per_forward_and_once_per_backward(tmp_path):
+def test_zero3_gathers_the_vocab_head_once_per_forward_and_once_per_backward(torchrun):
     """Six logit chunks used to mean six all-gathers of the (tied) head in forward and as many again when
     backward recomputes them (7 and 20 with the embedding's own, measured before the change)."""
-    out = tmp_path / "gathers"
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                        "tests/dist_head_gather_check.py", str(out)], cwd=ROOT, env=ENV, capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-4000:]
-    for rank in range(2):
-        res = json.loads(Path(f"{out}.{rank}").read_text())
+    for res in torchrun("dist_head_gather_check.py", nproc=2):
         assert res["chunks"] == 6 and (res["forward"], res["total"]) == (1, 2), res

@@ -141,16 +141,10 @@ def test_gapo_and_gspo_differ_exactly_where_their_bounds_differ(runs):
     assert metrics(runs["gapo"])[0]["clip_frac/high"] < metrics(runs["gspo"])[0]["clip_frac/high"]
 
 
-def test_weight_push_matches_trainer_on_each_rank(tmp_path):
+def test_weight_push_matches_trainer_on_each_rank(torchrun):
     """2 ranks, ZeRO-3: after an update and a bucketed push, vLLM's log-probs of fixed sequences (longer than
     one KV block, cached before the push) equal the trainer's, and the HF engine agrees too."""
-    out = tmp_path / "push"
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                        "tests/dist_push_check.py", str(out)], cwd=ROOT, env=ENV, capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0, r.stderr[-4000:]
-    for rank in (0, 1):
-        res = json.loads(Path(f"{out}.{rank}").read_text())
+    for res in torchrun("dist_push_check.py", nproc=2, timeout=600):
         assert res["before"] > 1e-2  # the update changed the policy, so the push had work to do
         assert res["after"] < 1e-4 and res["hf"] < 1e-4, res
 
@@ -224,21 +218,15 @@ def test_two_ranks_zero3_with_masked_micro_batches(tmp_path):
 
 
 @pytest.mark.parametrize("stage, nproc", [(3, 1), (3, 2), (2, 2)])
-def test_gradient_accumulates_over_micro_batches_and_ranks(tmp_path, stage, nproc):
+def test_gradient_accumulates_over_micro_batches_and_ranks(torchrun, stage, nproc):
     """The DeepSpeed step's gradient equals one torch backward over all micro-batches of all ranks.
     (Calling the model around the engine once made ZeRO-3 keep only the last micro-batch's gradient.)"""
-    out = tmp_path / "grad"
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                        "tests/dist_grad_check.py", str(out), str(stage)], cwd=ROOT, env=ENV, capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-4000:]
-    for rank in range(nproc):
-        res = json.loads(Path(f"{out}.{rank}").read_text())
+    for res in torchrun("dist_grad_check.py", str(stage), nproc=nproc):
         assert res["ds"] == pytest.approx(res["torch"], rel=1e-5)
         assert abs(res["torch"] - res["last_micro_only"]) > 1e-3 * res["torch"]  # the check can tell them apart
 
 
-def test_generation_stops_at_the_chat_templates_end_of_turn(tmp_path):
+def test_generation_stops_at_the_chat_templates_end_of_turn(tmp_path, torchrun):
     """A base model's generation config stops only at <|endoftext|>; the chat turn ends at <|im_end|>. Without
     the template's end-of-turn as a stop token the model writes past its turn (and a last-\\boxed{} reader
     would read what follows); with it, <|im_end|> ends every response that is not truncated."""
@@ -258,12 +246,7 @@ def test_generation_stops_at_the_chat_templates_end_of_turn(tmp_path):
         cfg = json.loads((model / name).read_text())
         cfg["eos_token_id"] = eos
         (model / name).write_text(json.dumps(cfg))
-    out = tmp_path / "stops.json"
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1",
-                        "tests/dist_stop_check.py", str(model), str(out)], cwd=ROOT, env=ENV, capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-4000:]
-    res = json.loads(out.read_text())
+    [res] = torchrun("dist_stop_check.py", str(model), nproc=1)
     im_end = res["im_end"]
     assert im_end in res["stop_ids"] and eos in res["stop_ids"]
     past = [ids for ids, _ in res["without"] if im_end in ids[:-1]]

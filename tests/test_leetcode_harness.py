@@ -10,6 +10,7 @@ from __future__ import annotations
 import textwrap
 
 import pytest
+from conftest import fenced
 
 from gapo.reward import sandbox_harness as harness
 from gapo.reward.code import CodeRunner
@@ -259,13 +260,9 @@ def runner():
         yield r
 
 
-def _fenced(program: str) -> str:
-    return f"Here is my solution.\n```python\n{program}```\n"
-
-
 def test_reference_solutions_pass_and_mutants_fail(runner: CodeRunner) -> None:
     items = list(PROBLEMS.values())
-    results = runner.score_batch([([_fenced(p["solutions"]), *map(_fenced, p["mutants"].values())], p["tests"])
+    results = runner.score_batch([([fenced(p["solutions"]), *map(fenced, p["mutants"].values())], p["tests"])
                                   for p in items])
     for (name, problem), row in zip(PROBLEMS.items(), results, strict=True):
         assert row[0].reward == 1.0, (name, row[0])
@@ -280,7 +277,7 @@ def test_solutions_with_their_own_node_classes_pass(runner: CodeRunner) -> None:
            "        self.val, self.left, self.right = val, left, right\n\n"
            "class Solution:\n    def invertTree(self, root):\n        if root is None:\n            return None\n"
            "        return TreeNode(root.val, self.invertTree(root.right), self.invertTree(root.left))\n")
-    [result] = runner.score([_fenced(own)], PROBLEMS["invert-binary-tree"]["tests"])
+    [result] = runner.score([fenced(own)], PROBLEMS["invert-binary-tree"]["tests"])
     assert result.status == "correct", result
 
 
@@ -289,12 +286,12 @@ def test_deep_structures(runner: CodeRunner) -> None:
     tests = str({"functional": "def check(candidate):\n"
                                "    assert is_same_tree(candidate(root = tree_node([1] + [None, 2] * 20000)),"
                                " tree_node([1] + [2, None] * 20000))\n\ncheck(Solution().invertTree)"})
-    [result] = runner.score([_fenced(PROBLEMS["invert-binary-tree"]["solutions"])], tests)
+    [result] = runner.score([fenced(PROBLEMS["invert-binary-tree"]["solutions"])], tests)
     assert result.status == "correct", result
     tests = str({"functional": "def check(candidate):\n    assert is_same_list(candidate(head = list_node("
                                "list(range(100000)))), list_node(list(range(99999, -1, -1))))\n\n"
                                "check(Solution().reverseList)"})
-    [result] = runner.score([_fenced(PROBLEMS["reverse-linked-list"]["solutions"])], tests)
+    [result] = runner.score([fenced(PROBLEMS["reverse-linked-list"]["solutions"])], tests)
     assert result.status == "correct", result
 
 
@@ -341,7 +338,7 @@ class Solution:
          "always-equal-node", "cyclic-list"],
 )
 def test_hostile_programs_cannot_fake_a_linked_answer(runner: CodeRunner, program: str) -> None:
-    [result] = runner.score([_fenced(program)], PROBLEMS["reverse-linked-list"]["tests"])
+    [result] = runner.score([fenced(program)], PROBLEMS["reverse-linked-list"]["tests"])
     assert result.status == "wrong", result
 
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from gapo.models import resolve_model
-from gapo.trainer import actor as actor_module
-from gapo.trainer.actor import MicroBatch, response_logprobs
+from gapo.trainer import logprobs as logprobs_module
+from gapo.trainer.logprobs import MicroBatch, response_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -25,9 +25,23 @@ def test_pack_places_responses_after_their_prompts():
     assert short.input_ids.shape == (1, 6) and short.resp_pos.tolist() == [[4]]
 
 
+def test_pack_carries_what_the_loss_needs_of_each_rollout():
+    """The update's per-rollout fields travel in the micro-batch, also when its prompts are shared."""
+    index, adv = torch.tensor([4, 5, 6]), torch.tensor([0.5, -0.5, 0.25])
+    c, k = torch.tensor([1, 1, 2]), torch.tensor([2, 2, 4])
+    mb = MicroBatch.pack([[5, 6, 7], [5, 6, 7], [8, 9]], [[1, 2], [3], [4]], pad_id=0, share_prompts=True,
+                         keep=torch.tensor([True, False, True]), engine_logp=[[-0.5, -0.25], [-1.0], [-2.0]],
+                         index=index, adv=adv, c=c, k=k).to(torch.device("cpu"))
+    assert mb.shared is not None
+    assert all(torch.equal(got, want) for got, want in ((mb.index, index), (mb.adv, adv), (mb.c, c), (mb.k, k)))
+    assert mb.resp_mask.tolist() == [[1, 1], [0, 0], [1, 0]]  # a rollout left out keeps its row, not its tokens
+    assert mb.engine_logp.tolist() == [[-0.5, -0.25], [-1.0, 0.0], [-2.0, 0.0]]
+    assert mb.old_logp is None and mb.ref_logp is None  # set by the old-log-prob pass
+
+
 @pytest.mark.parametrize("chunk, rows", [(1, 64), (3, 2), (1024, 64), (1024, 4)])
 def test_chunked_logprobs_values_entropy_and_gradients(model, chunk, rows, monkeypatch):
-    monkeypatch.setattr(actor_module, "ROWS", rows)  # softmax blocks inside a chunk, and their seams
+    monkeypatch.setattr(logprobs_module, "ROWS", rows)  # softmax blocks inside a chunk, and their seams
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 9, 2)]
     responses = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (4, 1, 7)]

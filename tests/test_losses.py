@@ -6,12 +6,17 @@ import numpy as np
 import pytest
 import torch
 
+from gapo.config import AlgorithmConfig
+from gapo.reward.types import FLAG_UNISOLATED, RewardResult, status_counts
+from gapo.trainer.logprobs import MicroBatch
 from gapo.trainer.losses import (
     RolloutStats,
     StepNorm,
+    clip_high,
     gapo_clip_high,
     group_advantages,
     group_metrics,
+    kl_penalty,
     loss_metrics,
     policy_loss,
     update_metrics,
@@ -114,6 +119,20 @@ def _logp(logits, tokens):
     return torch.log_softmax(logits, -1).gather(-1, tokens[..., None]).squeeze(-1)
 
 
+def _algo(is_level="sequence", clip="fixed", eps_lo=0.2, eps_hi=0.28, eps_hi_max=None, loss_agg="token_mean",
+          kl_coef=0.0):
+    return AlgorithmConfig(is_level=is_level, clip=clip, eps_lo=eps_lo, eps_hi=eps_hi,
+                           eps_hi_max=eps_hi if eps_hi_max is None else eps_hi_max, loss_agg=loss_agg,
+                           kl_coef=kl_coef)
+
+
+def _mb(mask, old_logp, adv, c, k, ref_logp=None):
+    """A micro-batch as the loss sees it: mask, old log-probs and per-rollout numbers (it never reads the
+    forward's inputs, which are left empty here)."""
+    none = torch.zeros(0, dtype=torch.long)
+    return MicroBatch(none, none, none, none, mask, old_logp=old_logp, adv=adv, c=c, k=k, ref_logp=ref_logp)
+
+
 def _reference_loss(logp, old_logp, mask, adv, eps_lo, eps_hi, is_level, n_tokens_total):
     """Straight from the paper's formula, one rollout at a time, no vectorisation tricks. The sequence
     form is GSPO's own: s_i = exp(mean log-ratio) with its gradient, weighted by |y_i| under token-mean."""
@@ -139,10 +158,10 @@ def test_loss_and_gradient_match_reference(is_level, adaptive):
     eps_lo, eps_hi_max = (0.2, 0.28) if is_level == "token" else (3e-3, 5e-3)
     eps_hi = gapo_clip_high(ga.c, ga.k, eps_lo, eps_hi_max) if adaptive else eps_hi_max
     norm = StepNorm(tokens=float(mask.sum()), seqs=float(mask.shape[0]))
+    algo = _algo(is_level, "adaptive" if adaptive else "fixed", eps_lo, eps_hi_max)
 
     p1 = logits.clone().requires_grad_(True)
-    loss, stats = policy_loss(_logp(p1, tokens), old_logp, mask, ga.adv.double(), ga.c, ga.k, eps_lo, eps_hi, norm,
-                              is_level=is_level)
+    loss, stats = policy_loss(_logp(p1, tokens), _mb(mask, old_logp, ga.adv.double(), ga.c, ga.k), norm, algo)
     loss.backward()
     p2 = logits.clone().requires_grad_(True)
     ref = _reference_loss(_logp(p2, tokens), old_logp, mask, ga.adv.double(), eps_lo, eps_hi, is_level, norm.tokens)
@@ -157,13 +176,11 @@ def test_loss_and_gradient_match_reference(is_level, adaptive):
 @pytest.mark.parametrize("is_level", ["token", "sequence"])
 def test_gradient_matches_finite_differences(is_level):
     logits, tokens, mask, old_logp, ga = _batch(B=8, T=5, V=6, seed=3, spread=0.2 if is_level == "token" else 0.01)
-    eps_hi = gapo_clip_high(ga.c, ga.k, 3e-3, 5e-3) if is_level == "sequence" else 0.28
-    eps_lo = 3e-3 if is_level == "sequence" else 0.2
+    algo = _algo("sequence", "adaptive", 3e-3, 5e-3) if is_level == "sequence" else _algo("token", "fixed", 0.2, 0.28)
     norm = StepNorm(tokens=float(mask.sum()), seqs=8.0)
 
     def f(x):
-        return policy_loss(_logp(x, tokens), old_logp, mask, ga.adv.double(), ga.c, ga.k, eps_lo, eps_hi, norm,
-                           is_level=is_level)[0]
+        return policy_loss(_logp(x, tokens), _mb(mask, old_logp, ga.adv.double(), ga.c, ga.k), norm, algo)[0]
 
     x = logits.clone().requires_grad_(True)
     f(x).backward()
@@ -178,21 +195,23 @@ def test_gradient_matches_finite_differences(is_level):
         assert x.grad[idx].item() == pytest.approx(fd, rel=1e-5, abs=1e-9)
 
 
-def _single(adv, c, ratio, eps_hi, is_level="sequence", n=4):
-    """One rollout of n tokens whose IS ratio is `ratio` everywhere; returns (grad wrt logp, stats)."""
+def _single(adv, c, ratio, eps_hi=None, is_level="sequence", n=4):
+    """One rollout (of a group of 8) of n tokens whose IS ratio is `ratio` everywhere, eps_lo = 3e-3, a fixed
+    upper bound eps_hi or (None) GAPO's adaptive one up to 5e-3; returns (grad wrt logp, stats)."""
     old = torch.full((1, n), -2.0, dtype=torch.float64)
     logp = (old + math.log(ratio)).requires_grad_(True)
     mask = torch.ones(1, n, dtype=torch.float64)
-    loss, stats = policy_loss(logp, old, mask, torch.tensor([adv]), torch.tensor([c]), torch.tensor([8]), 3e-3,
-                              eps_hi, StepNorm(tokens=n, seqs=1), is_level=is_level)
+    algo = _algo(is_level, "adaptive", 3e-3, 5e-3) if eps_hi is None else _algo(is_level, "fixed", 3e-3, eps_hi)
+    loss, stats = policy_loss(logp, _mb(mask, old, torch.tensor([adv]), torch.tensor([c]), torch.tensor([8])),
+                              StepNorm(tokens=n, seqs=1), algo)
     loss.backward()
     return logp.grad, stats
 
 
 def test_low_c_correct_rollout_is_not_clipped_where_fixed_clip_would():
     # c = 1: A = 7/8, ratio 1.004 lies past GSPO's 1 + 3e-3 but inside GAPO's 1 + 5e-3.
-    gapo_hi = gapo_clip_high(torch.tensor([1]), 8, 3e-3, 5e-3)
-    g_gapo, s_gapo = _single(7 / 8, 1, 1.004, gapo_hi)
+    assert gapo_clip_high(torch.tensor([1]), 8, 3e-3, 5e-3).item() == pytest.approx(5e-3)
+    g_gapo, s_gapo = _single(7 / 8, 1, 1.004)  # the adaptive rule picks eps_hi(c = 1)
     g_fixed, s_fixed = _single(7 / 8, 1, 1.004, 3e-3)
     assert torch.all(g_gapo < 0) and s_gapo.clip_hi_tokens.item() == 0  # still pushes logp up
     assert torch.all(g_fixed == 0) and s_fixed.clip_hi_tokens.item() == 4
@@ -200,8 +219,8 @@ def test_low_c_correct_rollout_is_not_clipped_where_fixed_clip_would():
 
 def test_high_c_correct_rollout_is_clipped_where_wide_fixed_clip_is_not():
     # c = 7: A = 1/8, GAPO's bound is 1 + 3.29e-3; GSPO-asym's fixed 1 + 5e-3 lets 1.004 through.
-    gapo_hi = gapo_clip_high(torch.tensor([7]), 8, 3e-3, 5e-3)
-    g_gapo, _ = _single(1 / 8, 7, 1.004, gapo_hi)
+    assert gapo_clip_high(torch.tensor([7]), 8, 3e-3, 5e-3).item() == pytest.approx(3e-3 + 2e-3 / 7)
+    g_gapo, _ = _single(1 / 8, 7, 1.004)  # the adaptive rule picks eps_hi(c = 7)
     g_asym, _ = _single(1 / 8, 7, 1.004, 5e-3)
     assert torch.all(g_gapo == 0) and torch.all(g_asym < 0)
 
@@ -218,8 +237,8 @@ def test_cispo_keeps_gradient_with_capped_weight():
     old = torch.full((1, 3), -1.0, dtype=torch.float64)
     logp = (old + math.log(3.0)).requires_grad_(True)  # rho = 3 > 1 + eps_hi
     mask = torch.ones(1, 3, dtype=torch.float64)
-    loss, stats = policy_loss(logp, old, mask, torch.tensor([0.5]), torch.tensor([1]), torch.tensor([2]), 1.0, 1.0,
-                              StepNorm(tokens=3, seqs=1), is_level="token", clip_rule="cispo")
+    loss, stats = policy_loss(logp, _mb(mask, old, torch.tensor([0.5]), torch.tensor([1]), torch.tensor([2])),
+                              StepNorm(tokens=3, seqs=1), _algo("token", "cispo", 1.0, 1.0))
     loss.backward()
     # d/dlogp of -sg(min(rho, 2)) * A * logp / N = -2 * 0.5 / 3 per token: capped weight, gradient kept
     torch.testing.assert_close(logp.grad, torch.full((1, 3), -1.0 / 3, dtype=torch.float64))
@@ -230,10 +249,30 @@ def test_overflowing_log_ratio_stays_finite():
     old = torch.full((2, 3), -200.0, dtype=torch.float64)
     logp = torch.zeros(2, 3, dtype=torch.float64, requires_grad=True)  # log-ratio 200: exp would overflow
     for level in ("token", "sequence"):
-        loss, _ = policy_loss(logp, old, torch.ones(2, 3), torch.tensor([1.0, -1.0]), torch.tensor([1, 1]),
-                              torch.tensor([2, 2]), 0.2, 0.28, StepNorm(6, 2), is_level=level)
+        loss, _ = policy_loss(logp, _mb(torch.ones(2, 3), old, torch.tensor([1.0, -1.0]), torch.tensor([1, 1]),
+                                        torch.tensor([2, 2])), StepNorm(6, 2), _algo(level, "fixed", 0.2, 0.28))
         loss.backward()
         assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
+
+
+def test_clip_rule_picks_each_rollouts_upper_bound():
+    c, k = torch.tensor([0, 1, 2, 3, 4]), torch.tensor([4] * 5)
+    adaptive = clip_high(c, k, _algo(clip="adaptive", eps_lo=0.2, eps_hi=0.28))
+    assert torch.equal(adaptive, gapo_clip_high(c, k, 0.2, 0.28))  # eq. 8, per rollout
+    assert clip_high(c, k, _algo(clip="fixed", eps_lo=0.2, eps_hi=0.25, eps_hi_max=0.3)).tolist() == [0.25] * 5
+    assert clip_high(c, k, _algo("token", "cispo", 1.0, 4.0)).tolist() == [4.0] * 5  # CISPO's weight cap
+
+
+def test_kl_penalty_joins_the_surrogate_with_its_coefficient():
+    logits, tokens, mask, old_logp, ga = _batch(seed=4)
+    ref = old_logp + 0.1 * torch.randn(old_logp.shape, generator=torch.Generator().manual_seed(1), dtype=old_logp.dtype)
+    mb = _mb(mask, old_logp, ga.adv.double(), ga.c, ga.k, ref_logp=ref)
+    norm = StepNorm(float(mask.sum()), 12.0)
+    logp = _logp(logits, tokens)
+    plain, _ = policy_loss(logp, mb, norm, _algo())
+    with_kl, _ = policy_loss(logp, mb, norm, _algo(kl_coef=0.3))
+    assert float(kl_penalty(logp, ref, mask, norm)) > 0
+    assert with_kl.item() == pytest.approx(plain.item() + 0.3 * kl_penalty(logp, ref, mask, norm).item(), rel=1e-12)
 
 
 # ---------------------------------------------------------------- invariance to micro-batches and ranks
@@ -244,7 +283,7 @@ def test_overflowing_log_ratio_stays_finite():
 @pytest.mark.parametrize("is_level", ["token", "sequence"])
 def test_gradient_invariant_to_micro_batches_and_ranks(dtype, tol, loss_agg, is_level):
     logits, tokens, mask, old_logp, ga = _batch(B=16, T=7, V=9, seed=5, dtype=dtype, spread=0.1)
-    eps_hi = gapo_clip_high(ga.c, ga.k, 0.2, 0.28)
+    algo = _algo(is_level, "adaptive", 0.2, 0.28, loss_agg=loss_agg)
     norm = StepNorm(tokens=float(mask.sum()), seqs=16.0, constant=7.0)
 
     def grad_of(splits):
@@ -254,9 +293,8 @@ def test_gradient_invariant_to_micro_batches_and_ranks(dtype, tol, loss_agg, is_
             p = logits.clone().requires_grad_(True)
             for lo, hi in rank:
                 sl = slice(lo, hi)
-                loss, _ = policy_loss(_logp(p[sl], tokens[sl]), old_logp[sl], mask[sl], ga.adv[sl].to(dtype),
-                                      ga.c[sl], ga.k[sl], 0.2, eps_hi[sl], norm, is_level=is_level,
-                                      loss_agg=loss_agg)
+                mb = _mb(mask[sl], old_logp[sl], ga.adv[sl].to(dtype), ga.c[sl], ga.k[sl])
+                loss, _ = policy_loss(_logp(p[sl], tokens[sl]), mb, norm, algo)
                 loss.backward()
             total += p.grad
         return total
@@ -295,8 +333,8 @@ def test_loss_metrics_by_c_token_and_sequence_units():
 
 def test_metrics_from_a_real_loss_evaluation():
     logits, tokens, mask, old_logp, ga = _batch(B=16, T=8, V=7, seed=9, spread=0.05)
-    _, stats = policy_loss(_logp(logits, tokens), old_logp, mask, ga.adv.double(), ga.c, ga.k, 3e-3, 5e-3,
-                           StepNorm(float(mask.sum()), 16.0), is_level="sequence")
+    _, stats = policy_loss(_logp(logits, tokens), _mb(mask, old_logp, ga.adv.double(), ga.c, ga.k),
+                           StepNorm(float(mask.sum()), 16.0), _algo("sequence", "fixed", 3e-3, 5e-3))
     m = loss_metrics(stats, "sequence")
     r = torch.exp(stats.seq_log_ratio.double())
     expected_hi = ((ga.adv > 0) & (r > 1 + 5e-3)).double().mean()
@@ -310,8 +348,8 @@ def test_approx_kl_is_k3_of_kl_old_new():
     mask = torch.ones(1, 4)
     old = torch.zeros(1, 4)
     for d in (0.3, -0.3):
-        _, st = policy_loss(old + d, old, mask, torch.ones(1), torch.tensor([1]), torch.tensor([8]), 0.2, 0.2,
-                            StepNorm(4.0, 1.0), is_level="token")
+        _, st = policy_loss(old + d, _mb(mask, old, torch.ones(1), torch.tensor([1]), torch.tensor([8])),
+                            StepNorm(4.0, 1.0), _algo("token", "fixed", 0.2, 0.2))
         assert loss_metrics(st, "token")["approx_kl"] == pytest.approx(math.exp(d) - 1 - d, rel=1e-5)
 
 
@@ -325,12 +363,11 @@ OFF_RATIOS = {0: [1.3, 0.9, 0.7, 1.0],  # c = 1: correct 1.3 > 1.28 clips high; 
 REWARDS = {0: [1.0, 0.0, 0.0, 0.0], 1: [1.0, 1.0, 0.0, 0.0]}
 
 
-def _rank_part(rank: int, groups_off_policy: list[bool]) -> dict:
+def _rank_part(rank: int, groups_off_policy: list[bool], results: list[RewardResult] | None = None) -> dict:
     """What one rank's loop gathers for a step: per micro-batch stats from a real loss evaluation."""
     g = torch.Generator().manual_seed(rank)
     rewards = torch.tensor(REWARDS[rank] * len(groups_off_policy))
     ga = group_advantages(rewards, [4] * len(groups_off_policy))
-    eps_hi = gapo_clip_high(ga.c, ga.k, 0.2, 0.28)
     stats, off = [], []
     for j, moved in enumerate(groups_off_policy):
         b = slice(4 * j, 4 * j + 4)
@@ -339,13 +376,14 @@ def _rank_part(rank: int, groups_off_policy: list[bool]) -> dict:
         old = -torch.rand(4, T, generator=g) * 3
         ratio = torch.tensor(OFF_RATIOS[rank]) if moved else torch.ones(4)
         logp = old + torch.log(ratio)[:, None]
-        _, st = policy_loss(logp, old, mask, ga.adv[b], ga.c[b], ga.k[b], 0.2, eps_hi[b], StepNorm(18.0, 4.0),
-                            is_level="sequence", clip_rule="adaptive")
+        _, st = policy_loss(logp, _mb(mask, old, ga.adv[b], ga.c[b], ga.k[b]), StepNorm(18.0, 4.0),
+                            _algo("sequence", "adaptive", 0.2, 0.28))
         stats.append(st)
         off.append(torch.full((4,), moved))
     n = len(rewards)
     return {"stats": RolloutStats.cat(stats), "off_policy": torch.cat(off), "rewards": rewards, "c": ga.c,
-            "k": ga.k, "status": ["correct"] * n, "len": [4] * n, "trunc": [False] * n, "mismatch": torch.zeros(0),
+            "k": ga.k, "reward_counts": status_counts(results or [RewardResult.of("correct")] * n), "len": [4] * n,
+            "trunc": [False] * n, "mismatch": torch.zeros(0),
             "entropy_sum": 0.0, "kl_ref_sum": 0.0, "first_dev": torch.zeros(1), "skipped": 0, "tokens": 18.0 * n,
             "timings": {"generate": 1.0, "train": 1.0}}
 
@@ -382,6 +420,24 @@ def test_step_without_off_policy_update_has_no_clip_metrics():
     assert m["all/clip_frac"] == 0.0 and m["all/clip_frac/c1"] == 0.0 and m["all/is_ratio/c1"] == 1.0
     for key in ("clip_frac", "clip_frac/c1", "clip_hi/c1", "is_adv_corr", "approx_kl", "is_ratio/mean"):
         assert key not in m, key
+
+
+def test_reward_statuses_and_flags_reach_the_step_metrics():
+    """Every status is a fraction of the step's rollouts over all ranks, and so is every flag a rewarder raised
+    (an unisolated sandbox must show in the metrics, not only in a log line)."""
+    from gapo.trainer.loop import step_metrics
+
+    unisolated = (FLAG_UNISOLATED,)
+    rank0 = [RewardResult.of("correct", flags=unisolated)] * 3 + [RewardResult.of("wrong", flags=unisolated)] + \
+        [RewardResult.of("timeout")] * 4
+    rank1 = [RewardResult.of("wrong")] * 7 + [RewardResult.of("error")]
+    parts = [_rank_part(0, [False, True], rank0), _rank_part(1, [False, True], rank1)]
+    m = step_metrics(parts, "sequence", 1.0, 1e-6, 1.0)
+    assert m["reward/unisolated_frac"] == 4 / 16
+    assert (m["reward/correct_frac"], m["reward/wrong_frac"], m["reward/timeout_frac"], m["reward/error_frac"],
+            m["reward/no_answer_frac"]) == (3 / 16, 8 / 16, 4 / 16, 1 / 16, 0.0)
+    assert "reward/gold_text_only_frac" not in m  # a flag nobody raised is not a metric
+    assert "reward/unisolated_frac" not in step_metrics(parts[1:], "sequence", 1.0, 1e-6, 1.0)
 
 
 def test_update_metrics_on_token_units():

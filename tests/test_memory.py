@@ -163,7 +163,7 @@ def test_a_token_budget_sets_the_micro_batch_size():
 
 
 def test_logit_chunk_mirrors_the_actor():
-    actor = pytest.importorskip("gapo.trainer.actor")
+    logprobs = pytest.importorskip("gapo.trainer.logprobs")
     from gapo import memory
 
-    assert (memory.LOGIT_CHUNK, memory.LOGPROB_ROWS) == (actor.LOGIT_CHUNK, actor.ROWS)
+    assert (memory.LOGIT_CHUNK, memory.LOGPROB_ROWS) == (logprobs.LOGIT_CHUNK, logprobs.ROWS)

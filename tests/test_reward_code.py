@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import fenced
 
 import gapo.reward.code as code_module
 from gapo.reward.code import (
@@ -32,10 +33,6 @@ from gapo.reward.code import (
     values_match,
 )
 from gapo.reward.sandbox import CallCase, CheckCase, StdioCase
-
-
-def _fenced(program: str, tag: str = "python") -> str:
-    return f"Here is my solution.\n```{tag}\n{program}\n```\nDone."
 
 
 @pytest.fixture(scope="module")
@@ -206,12 +203,12 @@ STDIO_TESTS = {"inputs": ["1 2\n", "10 20\n", "-1 1\n"], "outputs": ["3\n", "30\
 
 def test_stdio_verdicts(runner: CodeRunner) -> None:
     responses = [
-        _fenced("a, b = map(int, input().split())\nprint(a + b)"),
-        _fenced("a, b = map(int, input().split())\nprint(a * b)"),
-        _fenced("import sys\nprint(sum(map(int, sys.stdin.read().split())))\nsys.exit(0)"),
-        _fenced("print(1/0)"),
+        fenced("a, b = map(int, input().split())\nprint(a + b)"),
+        fenced("a, b = map(int, input().split())\nprint(a * b)"),
+        fenced("import sys\nprint(sum(map(int, sys.stdin.read().split())))\nsys.exit(0)"),
+        fenced("print(1/0)"),
         "I would just add them.",
-        _fenced("while True:\n    pass"),
+        fenced("while True:\n    pass"),
     ]
     results = runner.score(responses, STDIO_TESTS)
     assert [r.status for r in results] == ["correct", "wrong", "correct", "wrong", "no_answer", "timeout"]
@@ -224,38 +221,38 @@ def test_stops_at_the_first_failing_case(runner: CodeRunner) -> None:
     """Case 2 fails; case 3 would sleep far past the deadline, so reaching it would show up in the time."""
     program = "import time\nn = int(input())\nif n == 3:\n    time.sleep(100)\nprint(n if n == 1 else -1)"
     start = time.monotonic()
-    [result] = runner.score([_fenced(program)], {"inputs": ["1", "2", "3"], "outputs": ["1", "2", "3"]})
+    [result] = runner.score([fenced(program)], {"inputs": ["1", "2", "3"], "outputs": ["1", "2", "3"]})
     assert result.status == "wrong" and result.detail.startswith("test 2/3")
     assert time.monotonic() - start < 2.0
 
 
 def test_call_based_taco_and_livecodebench(runner: CodeRunner) -> None:
     taco = {"inputs": [[1, 2], [5, 5]], "outputs": [[3], [10]], "fn_name": "add"}
-    results = runner.score([_fenced("def add(a, b):\n    return a + b"), _fenced("def add(a, b):\n    return a - b"),
-                            _fenced("def plus(a, b):\n    return a + b")], taco)
+    results = runner.score([fenced("def add(a, b):\n    return a + b"), fenced("def add(a, b):\n    return a - b"),
+                            fenced("def plus(a, b):\n    return a + b")], taco)
     assert [r.status for r in results] == ["correct", "wrong", "wrong"]
     lcb = [{"input": "[1, 2, 3]\n2", "output": "[1, 2]", "testtype": "functional",
             "metadata": {"func_name": "firstK"}}]
     good = ("class Solution:\n    def firstK(self, nums: List[int], k: int) -> List[int]:\n"
             "        return tuple(nums[:k])")
     bad = "class Solution:\n    def firstK(self, nums, k):\n        return nums[-k:]"
-    assert [r.status for r in runner.score([_fenced(good), _fenced(bad)], lcb)] == ["correct", "wrong"]
+    assert [r.status for r in runner.score([fenced(good), fenced(bad)], lcb)] == ["correct", "wrong"]
 
 
 def test_humaneval_style_check(runner: CodeRunner) -> None:
     tests = {"test": "def check(candidate):\n    assert candidate([1, 2]) == 3\n    assert candidate([]) == 0\n",
              "entry_point": "total"}
-    results = runner.score([_fenced("def total(xs):\n    return sum(xs)"),
-                            _fenced("def total(xs):\n    return len(xs) + 1")], tests)
+    results = runner.score([fenced("def total(xs):\n    return sum(xs)"),
+                            fenced("def total(xs):\n    return len(xs) + 1")], tests)
     assert [r.status for r in results] == ["correct", "wrong"]
 
 
 def test_score_batch_and_entry_point_pool_reuse() -> None:
-    groups = [([_fenced("print(int(input()) * 2)")] * 2, {"inputs": ["4"], "outputs": ["8"]}),
-              ([_fenced("print('no')")], [{"input": "", "output": "yes"}])]
+    groups = [([fenced("print(int(input()) * 2)")] * 2, {"inputs": ["4"], "outputs": ["8"]}),
+              ([fenced("print('no')")], [{"input": "", "output": "yes"}])]
     first = default_runner(2, 4.0, 512).score_batch(groups)
     assert [[r.status for r in row] for row in first] == [["correct", "correct"], ["wrong"]]
-    assert [r.status for r in score_code([_fenced("print(5)")], "[{'input': '', 'output': '5'}]",
+    assert [r.status for r in score_code([fenced("print(5)")], "[{'input': '', 'output': '5'}]",
                                          timeout_s=4.0, memory_mb=512)] == ["correct"]
     assert default_runner(2, 4.0, 512) is default_runner(2, 4.0, 512)
 
@@ -268,7 +265,7 @@ def test_a_rewarder_failure_is_an_error_not_a_wrong_answer(runner: CodeRunner, m
 
     monkeypatch.setattr(code_module, "run_program", broken_sandbox)
     with caplog.at_level(logging.ERROR, logger="gapo.reward"):
-        [result] = runner.score([_fenced("print(1)")], [{"input": "", "output": "1"}])
+        [result] = runner.score([fenced("print(1)")], [{"input": "", "output": "1"}])
     assert result.status == "error" and "unshare" in result.detail
     assert any("code reward error" in r.getMessage() for r in caplog.records)
 
@@ -276,7 +273,7 @@ def test_a_rewarder_failure_is_an_error_not_a_wrong_answer(runner: CodeRunner, m
 def test_unisolated_fallback_is_flagged(caplog) -> None:
     with CodeRunner(num_workers=1, timeout_s=3.0, isolation="none") as fallback:
         with caplog.at_level(logging.WARNING, logger="gapo.reward"):
-            [result] = fallback.score([_fenced("print(int(input()) + 1)")], {"inputs": ["1"], "outputs": ["2"]})
+            [result] = fallback.score([fenced("print(int(input()) + 1)")], {"inputs": ["1"], "outputs": ["2"]})
     assert result.status == "correct" and result.flags == ("unisolated",)
 
 
@@ -296,8 +293,8 @@ def _break_solution(source: str) -> str:
 def test_leetcode_reference_solutions_pass_and_broken_ones_fail(shared_records) -> None:
     items = shared_records("code/leetcode.json")
     with CodeRunner(num_workers=2, timeout_s=10.0) as r:
-        good = [row[0] for row in r.score_batch([([_fenced(x["solutions"])], x["tests"]) for x in items])]
-        broken = [row[0] for row in r.score_batch([([_fenced(_break_solution(x["solutions"]))], x["tests"])
+        good = [row[0] for row in r.score_batch([([fenced(x["solutions"])], x["tests"]) for x in items])]
+        broken = [row[0] for row in r.score_batch([([fenced(_break_solution(x["solutions"]))], x["tests"])
                                                    for x in items])]
     failures = {i: res for i, res in enumerate(good) if res.status != "correct"}
     print(f"LeetCode reference pass rate: {len(items) - len(failures)}/{len(items)}")
@@ -336,12 +333,12 @@ for _ in range(t):
 def test_code_contests_and_codeforces_items_with_short_solutions(runner: CodeRunner, shared_records) -> None:
     contests = shared_records("code/code_contests.json")[140]
     assert "squares" in contests["problem"] and len(contests["tests"]["inputs"]) == 138
-    results = runner.score([_fenced(CUBES.format(off="")), _fenced(CUBES.format(off=" + 1"))], contests["tests"])
+    results = runner.score([fenced(CUBES.format(off="")), fenced(CUBES.format(off=" + 1"))], contests["tests"])
     assert [r.status for r in results] == ["correct", "wrong"]
     assert results[0].detail == "passed 138/138 tests"
     codeforces = shared_records("code/codeforces.json")[0]
-    results = runner.score([_fenced(MIN_MAX.format(pair="min(x, y), max(x, y)")),
-                            _fenced(MIN_MAX.format(pair="max(x, y), min(x, y)"))],
+    results = runner.score([fenced(MIN_MAX.format(pair="min(x, y), max(x, y)")),
+                            fenced(MIN_MAX.format(pair="max(x, y), min(x, y)"))],
                            json.dumps(codeforces["tests"]))
     assert [r.status for r in results] == ["correct", "wrong"]
 
@@ -355,8 +352,8 @@ def test_deepcoder_sources_reference_solutions_pass_and_broken_ones_fail(runner:
     path = Path(__file__).parent / "fixtures" / "deepcoder" / f"{source}.jsonl"
     problems = load_problems(str(path), answer_key="tests")
     for p in problems:
-        good = runner.score([_fenced(p.meta["solutions"][0])], p.gold)
+        good = runner.score([fenced(p.meta["solutions"][0])], p.gold)
         assert [r.reward for r in good] == [1.0], (p.question, good)
         broken = p.meta["solutions"][0].replace("return ", "return 1 + ").replace("print(", "print(1, ")
         assert broken != p.meta["solutions"][0]
-        assert [r.reward for r in runner.score([_fenced(broken)], p.gold)] == [0.0], p.question
+        assert [r.reward for r in runner.score([fenced(broken)], p.gold)] == [0.0], p.question

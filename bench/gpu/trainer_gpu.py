@@ -34,7 +34,7 @@ import time
 
 import torch
 
-from gapo.trainer import actor  # needs torch only: no deepspeed, vllm or pydantic on the device
+from gapo.trainer import logprobs  # needs torch only: no deepspeed, vllm or pydantic on the device
 
 QWEN_1_5B = dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                  intermediate_size=8960, vocab_size=151_936)
@@ -54,24 +54,24 @@ def build(shape: dict, layers: int, dev: str, dtype: torch.dtype):
         return AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
 
 
-def micro_batch(dev: str, vocab: int, batch: int, prompt: int, resp: int, seed: int) -> actor.MicroBatch:
+def micro_batch(dev: str, vocab: int, batch: int, prompt: int, resp: int, seed: int) -> logprobs.MicroBatch:
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(vocab, (prompt,), generator=g).tolist() for _ in range(batch)]
     responses = [torch.randint(vocab, (resp,), generator=g).tolist() for _ in range(batch)]
-    return actor.MicroBatch.pack(prompts, responses, pad_id=0).to(torch.device(dev))
+    return logprobs.MicroBatch.pack(prompts, responses, pad_id=0).to(torch.device(dev))
 
 
-def gapo_logp(model, mb: actor.MicroBatch) -> torch.Tensor:
-    return actor.response_logprobs(model.get_decoder(), model.get_output_embeddings(), mb, 1.0)[0]
+def gapo_logp(model, mb: logprobs.MicroBatch) -> torch.Tensor:
+    return logprobs.response_logprobs(model.get_decoder(), model.get_output_embeddings(), mb, 1.0)[0]
 
 
-def bare_logp(model, mb: actor.MicroBatch) -> torch.Tensor:
+def bare_logp(model, mb: logprobs.MicroBatch) -> torch.Tensor:
     logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits  # [B, L, V]
     logp = torch.log_softmax(logits.float(), -1).gather(-1, mb.input_ids[:, 1:, None]).squeeze(-1)
     return logp[:, -mb.resp_mask.shape[1]:]  # every response has the same length here
 
 
-def loss_of(logp: torch.Tensor, mb: actor.MicroBatch) -> torch.Tensor:
+def loss_of(logp: torch.Tensor, mb: logprobs.MicroBatch) -> torch.Tensor:
     adv = torch.linspace(-1, 1, logp.shape[0], device=logp.device)[:, None]
     return -(logp * mb.resp_mask * adv).sum() / mb.resp_mask.sum()
 
@@ -81,7 +81,7 @@ def sync(dev: str) -> None:
         torch.cuda.synchronize()
 
 
-def train_step(model, opt, mbs: list[actor.MicroBatch], logp_fn) -> None:
+def train_step(model, opt, mbs: list[logprobs.MicroBatch], logp_fn) -> None:
     for mb in mbs:
         loss_of(logp_fn(model, mb), mb).backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -118,7 +118,7 @@ def main() -> None:
     if args.cpu_smoke:
         dev, dtype, shape, layers = "cpu", torch.float32, TOY, TOY["num_hidden_layers"]
         args.reps, args.micro, args.micro_per_step, args.mem = 1, [2, 64], 2, [2, 96]
-        actor.LOGIT_CHUNK = 40  # several chunks, one of them split across rollouts
+        logprobs.LOGIT_CHUNK = 40  # several chunks, one of them split across rollouts
     elif not torch.cuda.is_available():
         sys.exit("trainer_gpu.py needs a CUDA GPU (torch.cuda.is_available() is False); "
                  "--cpu-smoke runs the code path on the CPU at toy size")
@@ -180,7 +180,7 @@ def main() -> None:
         print(f"{what}, fwd+bwd+AdamW: {steps[name]:.3f} s/step, {tps:.0f} tokens/s, "
               f"MFU {6 * params * tps / PEAK_FLOPS:.1%} (6 x params x tokens/s / 989 TFLOP/s, H200 dense bf16)")
     print(f"gapo/bare step time {steps['gapo'] / steps['bare']:.3f}")
-    chunk = actor.LOGIT_CHUNK * shape["vocab_size"] * 4 / GIB
+    chunk = logprobs.LOGIT_CHUNK * shape["vocab_size"] * 4 / GIB
     goal = 1.3 * (model_gib + chunk)
     print(f"\n== response log-prob memory (2 layers, hidden {shape['hidden_size']}, vocab {shape['vocab_size']}, "
           f"{dtype} weights; {MB} x {MT} response tokens) ==")

@@ -37,14 +37,12 @@ time (wall clock or CPU) gives status `timeout`; a failure of the sandbox itself
 from __future__ import annotations
 
 import ast
-import atexit
 import json
 import logging
 import math
 import re
 import textwrap
 import threading
-import weakref
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -60,7 +58,7 @@ from gapo.reward.sandbox import (
     StdioCase,
     run_program,
 )
-from gapo.reward.types import FLAG_UNISOLATED, RewardResult
+from gapo.reward.types import FLAG_UNISOLATED, Rewarder, RewardResult
 
 logger = logging.getLogger("gapo.reward")
 
@@ -324,47 +322,28 @@ def _case_verdict(suite: TestSuite, index: int, outcome: CaseOutcome) -> str | N
 # --------------------------------------------------------------------------------------------------
 # The runner (a persistent thread pool; the work happens in sandbox processes)
 # --------------------------------------------------------------------------------------------------
-_LIVE_RUNNERS: weakref.WeakSet[CodeRunner] = weakref.WeakSet()
-
-
-class CodeRunner:
+class CodeRunner(Rewarder):
     """Scores code responses with at most `num_workers` sandboxes running at once. Reuse one instance:
-    its thread pool persists across calls. `score` takes one group, `score_batch` many at once."""
+    its thread pool persists across calls. `score` takes one group (k responses and the problem's tests, any
+    format in the module docstring), `score_batch` many at once."""
+
+    gold_name = "tests"
 
     def __init__(self, num_workers: int = 2, timeout_s: float = 10.0, memory_mb: int = 1024,
                  isolation: str = "auto") -> None:
-        if not isinstance(num_workers, int) or num_workers < 1:
-            raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
+        super().__init__(num_workers)
         self.limits = Limits(wall_s=float(timeout_s), memory_mb=int(memory_mb))
         self.isolation = isolation
-        self.num_workers = num_workers
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
-        _LIVE_RUNNERS.add(self)
 
-    def score(self, responses: Sequence[str], tests: Any) -> list[RewardResult]:
-        """Score k responses to one problem against its tests (any format in the module docstring)."""
-        return self.score_batch([(responses, tests)])[0]
+    def parse_gold(self, tests: Any) -> TestSuite:
+        return parse_tests(tests)
 
-    def score_batch(self, items: Sequence[tuple[Sequence[str], Any]]) -> list[list[RewardResult]]:
-        """Score many (responses, tests) groups; all responses share the pool."""
-        suites = []
-        for i, item in enumerate(items):
-            if not isinstance(item, tuple | list) or len(item) != 2:
-                raise TypeError(f"items[{i}]: expected a (responses, tests) pair, got {type(item).__name__}")
-            responses, tests = item
-            if not isinstance(responses, list | tuple):
-                raise TypeError(f"items[{i}] responses: expected a list of str, got {type(responses).__name__}")
-            for j, response in enumerate(responses):
-                if not isinstance(response, str):
-                    raise TypeError(f"items[{i}] responses[{j}]: expected str, got {type(response).__name__}")
-            try:
-                suites.append(parse_tests(tests))
-            except (TypeError, ValueError) as exc:
-                raise type(exc)(f"items[{i}]: {exc}") from None
+    def score_groups(self, groups: list[Sequence[str]], suites: list[TestSuite]) -> list[list[RewardResult]]:
         pool = self._executor()
         futures = [[pool.submit(self._score_one, response, suite) for response in responses]
-                   for (responses, _), suite in zip(items, suites, strict=True)]
+                   for responses, suite in zip(groups, suites, strict=True)]
         return [[future.result() for future in row] for row in futures]
 
     def close(self) -> None:
@@ -372,12 +351,6 @@ class CodeRunner:
             if self._pool is not None:
                 self._pool.shutdown(wait=True, cancel_futures=True)
                 self._pool = None
-
-    def __enter__(self) -> CodeRunner:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def _executor(self) -> ThreadPoolExecutor:
         with self._pool_lock:
@@ -430,17 +403,9 @@ class CodeRunner:
 # --------------------------------------------------------------------------------------------------
 # Stable entry point
 # --------------------------------------------------------------------------------------------------
-_DEFAULT_RUNNERS: dict[tuple[int, float, int], CodeRunner] = {}
-_DEFAULT_LOCK = threading.Lock()
-
-
 def default_runner(num_workers: int = 2, timeout_s: float = 10.0, memory_mb: int = 1024) -> CodeRunner:
     """The shared runner for these settings, created on first use and kept for the life of the process."""
-    key = (num_workers, float(timeout_s), int(memory_mb))
-    with _DEFAULT_LOCK:
-        if key not in _DEFAULT_RUNNERS:
-            _DEFAULT_RUNNERS[key] = CodeRunner(num_workers, timeout_s, memory_mb)
-        return _DEFAULT_RUNNERS[key]
+    return CodeRunner.shared(num_workers, float(timeout_s), int(memory_mb))
 
 
 def score_code(
@@ -454,9 +419,3 @@ def score_code(
     """Score k responses to one coding problem. `tests` is the problem's tests field as stored (raw string
     or parsed); formats and rules are in the module docstring."""
     return default_runner(num_workers, timeout_s, memory_mb).score(responses, tests)
-
-
-@atexit.register
-def _close_all_runners() -> None:
-    for runner in list(_LIVE_RUNNERS):
-        runner.close()

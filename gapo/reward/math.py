@@ -44,7 +44,6 @@ exact string, and such results carry the flag "gold_text_only" so the weakness s
 
 from __future__ import annotations
 
-import atexit
 import json
 import logging
 import math
@@ -56,14 +55,13 @@ import subprocess
 import sys
 import threading
 import time
-import weakref
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gapo.reward.types import FLAG_GOLD_TEXT_ONLY, RewardResult
+from gapo.reward.types import FLAG_GOLD_TEXT_ONLY, Rewarder, RewardResult
 
 logger = logging.getLogger("gapo.reward")
 
@@ -445,10 +443,7 @@ class _Worker:
         self.proc.stdout.close()
 
 
-_LIVE_VERIFIERS: weakref.WeakSet[MathVerifier] = weakref.WeakSet()
-
-
-class MathVerifier:
+class MathVerifier(Rewarder):
     """A persistent pool of math-verify worker processes; reuse one instance across training steps.
 
     `score` scores one group (k responses to one problem); `score_batch` scores many groups at once, all
@@ -456,11 +451,9 @@ class MathVerifier:
     """
 
     def __init__(self, num_workers: int = 2, timeout_s: float = 10.0, memory_mb: int = 4096) -> None:
-        if not isinstance(num_workers, int) or num_workers < 1:
-            raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
+        super().__init__(num_workers)
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
-        self.num_workers = num_workers
         self.timeout_s = float(timeout_s)
         # The in-worker alarm fires a little before the hard deadline so that interruptible slow
         # items end without a respawn; setitimer takes fractions, unlike math-verify's alarm(int).
@@ -470,25 +463,17 @@ class MathVerifier:
         self._lock = threading.Lock()
         self._startup_failures = 0
         self._closed = False
-        _LIVE_VERIFIERS.add(self)
 
     # ---------------------------------------------------------------------------------------------
     def score(self, responses: Sequence[str], gold: Any, *, unit: str | None = None) -> list[RewardResult]:
         """Score k responses to one problem against its gold answer (see module docstring for formats)."""
-        return self.score_batch([(responses, normalize_gold(gold, unit=unit))])[0]
+        return super().score(responses, normalize_gold(gold, unit=unit))
 
-    def score_batch(self, items: Sequence[tuple[Sequence[str], Any]]) -> list[list[RewardResult]]:
-        """Score many groups, given as (responses, gold) pairs, in parallel over the workers."""
-        golds = []
-        for i, item in enumerate(items):
-            if not isinstance(item, tuple | list) or len(item) != 2:
-                raise TypeError(f"items[{i}]: expected a (responses, gold) pair, got {type(item).__name__}")
-            _check_responses(item[0], f"items[{i}] responses")
-            try:
-                golds.append(normalize_gold(item[1]))
-            except (TypeError, ValueError) as exc:
-                raise type(exc)(f"items[{i}]: {exc}") from None
-        answers = [[extract_answer(r) for r in responses] for responses, _ in items]
+    def parse_gold(self, gold: Any) -> MathGold:
+        return normalize_gold(gold)
+
+    def score_groups(self, groups: list[Sequence[str]], golds: list[MathGold]) -> list[list[RewardResult]]:
+        answers = [[extract_answer(r) for r in responses] for responses in groups]
         jobs: list[_Job] = []
         for gold, group in zip(golds, answers, strict=True):
             jobs.extend(_Job(a, gold.answers, gold.unit) for a in group if a is not None)
@@ -516,12 +501,6 @@ class MathVerifier:
             for worker in self._workers:
                 worker.stop()
             self._workers = []
-
-    def __enter__(self) -> MathVerifier:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # ---------------------------------------------------------------------------------------------
     def _run(self, jobs: list[_Job]) -> list[tuple[str, str]]:
@@ -601,28 +580,12 @@ class MathVerifier:
         self._workers[self._workers.index(worker)] = _Worker(self.memory_mb)
 
 
-def _check_responses(responses: Any, where: str) -> None:
-    if not isinstance(responses, list | tuple):
-        raise TypeError(f"{where}: expected a list of str, got {type(responses).__name__}")
-    for i, response in enumerate(responses):
-        if not isinstance(response, str):
-            raise TypeError(f"{where}[{i}]: expected str, got {type(response).__name__}")
-
-
 # --------------------------------------------------------------------------------------------------
 # Stable entry point
 # --------------------------------------------------------------------------------------------------
-_DEFAULT_VERIFIERS: dict[tuple[int, float], MathVerifier] = {}
-_DEFAULT_LOCK = threading.Lock()
-
-
 def default_verifier(num_workers: int = 2, timeout_s: float = 10.0) -> MathVerifier:
     """The shared pool for these settings, created on first use and kept for the life of the process."""
-    key = (num_workers, float(timeout_s))
-    with _DEFAULT_LOCK:
-        if key not in _DEFAULT_VERIFIERS:
-            _DEFAULT_VERIFIERS[key] = MathVerifier(num_workers, timeout_s)
-        return _DEFAULT_VERIFIERS[key]
+    return MathVerifier.shared(num_workers, float(timeout_s))
 
 
 def score_math(
@@ -636,9 +599,3 @@ def score_math(
     """Score k responses to one math problem. `gold` is the benchmark's answer field as stored
     (str, number, list of alternatives) or a MathGold; see the module docstring for the rules."""
     return default_verifier(num_workers, timeout_s).score(responses, gold, unit=unit)
-
-
-@atexit.register
-def _close_all_verifiers() -> None:
-    for verifier in list(_LIVE_VERIFIERS):
-        verifier.close()

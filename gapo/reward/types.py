@@ -1,4 +1,4 @@
-"""The record every rewarder returns, shared by the math and code rewarders.
+"""What the math and code rewarders share: the record every rewarder returns, and their worker-pool scaffolding.
 
 A reward alone cannot tell "the model was wrong" from "the rewarder broke": a verifier that silently
 scores 0 ruins a run without anyone noticing. So every score carries a status, and only "correct" and
@@ -7,8 +7,12 @@ scores 0 ruins a run without anyone noticing. So every score carries a status, a
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import atexit
+import threading
+import weakref
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any, Self
 
 STATUSES = ("correct", "wrong", "no_answer", "timeout", "error")
 
@@ -56,3 +60,76 @@ def status_counts(results: Iterable[RewardResult]) -> dict[str, int]:
         for flag in result.flags:
             counts[flag] = counts.get(flag, 0) + 1
     return counts
+
+
+class Rewarder:
+    """A pool of `num_workers` workers kept across training steps (one per setting and process: `shared`),
+    closed at interpreter exit, and `score` (one group) / `score_batch` (many groups at once, the trainer's
+    call) with one check of their input. A subclass parses a gold answer (`parse_gold`), scores checked
+    groups (`score_groups`) and stops its workers (`close`)."""
+
+    gold_name = "gold"  # what an item's second element is called in error messages
+
+    def __init__(self, num_workers: int) -> None:
+        if not isinstance(num_workers, int) or num_workers < 1:
+            raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
+        self.num_workers = num_workers
+        _LIVE.add(self)
+
+    @classmethod
+    def shared(cls, *settings: Any) -> Self:
+        """The process's instance for these settings, created on first use: the pool outlives the step."""
+        key = (cls, *settings)
+        with _SHARED_LOCK:
+            if key not in _SHARED:
+                _SHARED[key] = cls(*settings)
+            return _SHARED[key]
+
+    def score(self, responses: Sequence[str], gold: Any) -> list[RewardResult]:
+        """Score k responses to one problem against its gold (answer or tests, as stored)."""
+        return self.score_batch([(responses, gold)])[0]
+
+    def score_batch(self, items: Sequence[tuple[Sequence[str], Any]]) -> list[list[RewardResult]]:
+        """Score many (responses, gold) groups; all their responses share the workers. Bad input raises
+        before any work starts, naming the item."""
+        golds = []
+        for i, item in enumerate(items):
+            if not isinstance(item, tuple | list) or len(item) != 2:
+                raise TypeError(f"items[{i}]: expected a (responses, {self.gold_name}) pair, got {type(item).__name__}")
+            responses, gold = item
+            if not isinstance(responses, list | tuple):
+                raise TypeError(f"items[{i}] responses: expected a list of str, got {type(responses).__name__}")
+            for j, response in enumerate(responses):
+                if not isinstance(response, str):
+                    raise TypeError(f"items[{i}] responses[{j}]: expected str, got {type(response).__name__}")
+            try:
+                golds.append(self.parse_gold(gold))
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"items[{i}]: {exc}") from None
+        return self.score_groups([responses for responses, _ in items], golds)
+
+    def parse_gold(self, gold: Any) -> Any:
+        raise NotImplementedError
+
+    def score_groups(self, groups: list[Sequence[str]], golds: list[Any]) -> list[list[RewardResult]]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_LIVE: weakref.WeakSet[Rewarder] = weakref.WeakSet()
+_SHARED: dict[tuple, Rewarder] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+@atexit.register
+def _close_all() -> None:
+    for rewarder in list(_LIVE):
+        rewarder.close()

@@ -29,15 +29,17 @@ from gapo.evaluate import evaluate, load_benchmark, summary, write_results
 from gapo.memory import plan_text
 from gapo.models import check_context_budget, resolve_model
 from gapo.reward.registry import score_groups
+from gapo.reward.types import status_counts
 from gapo.rollout.engine import build_engine
 from gapo.rollout.types import Rollout, SamplingConfig
 from gapo.tracking import Tracker
 from gapo.trainer import checkpoint
-from gapo.trainer.actor import Actor, MicroBatch, micro_batch_rows
+from gapo.trainer.actor import Actor
+from gapo.trainer.logprobs import MicroBatch, micro_batch_rows
 from gapo.trainer.losses import (
     RolloutStats,
     StepNorm,
-    gapo_clip_high,
+    clip_high,
     group_advantages,
     kl_penalty,
     policy_loss,
@@ -197,49 +199,40 @@ def train(cfg: Config) -> Path:
             keep &= (ga.c > 0) & (ga.c < ga.k)
         if r.mask_truncated:
             keep &= torch.tensor([not x.truncated for x in rollouts])
-        eps_hi = gapo_clip_high(ga.c, ga.k, a.eps_lo, a.eps_hi_max) if a.clip == "adaptive" else \
-            torch.full((len(rollouts),), a.eps_hi, dtype=torch.float64)
 
         # --- 3. old log-probs (and entropy, engine/trainer mismatch) ------------------------------
         tic = time.perf_counter()
-        # Micro-batches per mini-batch (rollout indices), by count or by token budget; every rank runs the
-        # largest count any rank needs, since each forward is a collective under ZeRO-3.
+        # Micro-batches per mini-batch, by count or by token budget; every rank runs the largest count any rank
+        # needs, since each forward is a collective under ZeRO-3. Each carries what the loss needs of its rollouts.
         lengths = [len(x.prompt_ids) + len(x.response_ids) for x in rollouts]
         starts = range(0, len(rollouts), mini_per_rank)
         counts = torch.tensor([len(micro_batch_rows(lengths[m0:m0 + mini_per_rank], t.micro_batch_size,
                                                     t.max_tokens_per_micro_batch)) for m0 in starts],
                               device=actor.device)  # NCCL reduces device tensors only
         dist.all_reduce(counts, op=dist.ReduceOp.MAX)
-        minis = [[torch.tensor(b) + m0 for b in micro_batch_rows(lengths[m0:m0 + mini_per_rank], t.micro_batch_size,
-                                                                 t.max_tokens_per_micro_batch, n)]
-                 for m0, n in zip(starts, counts.tolist(), strict=True)]
-        rows = [b for mini in minis for b in mini]  # per micro-batch: its rollouts' indices
-        mbs = [MicroBatch.pack([rollouts[j].prompt_ids for j in b], [rollouts[j].response_ids for j in b], pad_id,
-                               share_prompts=share_prompts) for b in rows]
-        eng_logps = []
-        for mb, b in zip(mbs, rows, strict=True):
-            mb.resp_mask[~keep[b]] = 0
-            eng = torch.zeros(mb.resp_mask.shape)
-            for q, j in enumerate(b.tolist()):
-                eng[q, :len(rollouts[j].logprobs)] = torch.tensor(rollouts[j].logprobs)
-            eng_logps.append(eng.to(actor.device))
-        mbs = [mb.to(actor.device) for mb in mbs]
-        old_logps, ref_logps, entropy_sum, kl_ref_sum, mismatch = [], [], 0.0, 0.0, []
+        bins = [[torch.tensor(b) + m0 for b in micro_batch_rows(lengths[m0:m0 + mini_per_rank], t.micro_batch_size,
+                                                                t.max_tokens_per_micro_batch, n)]
+                for m0, n in zip(starts, counts.tolist(), strict=True)]  # rollout indices per micro-batch
+        minis = [[MicroBatch.pack([rollouts[j].prompt_ids for j in b], [rollouts[j].response_ids for j in b], pad_id,
+                                  share_prompts=share_prompts, keep=keep[b], index=b, adv=ga.adv[b], c=ga.c[b],
+                                  k=ga.k[b], engine_logp=[rollouts[j].logprobs for j in b]).to(actor.device)
+                  for b in mini] for mini in bins]
+        mbs = [mb for mini in minis for mb in mini]
+        entropy_sum, kl_ref_sum, mismatch = 0.0, 0.0, []
         actor.engine.train()  # one mode for both passes: the update must recompute exactly these old log-probs
         with torch.no_grad():
-            for i, mb in enumerate(mbs):
+            for mb in mbs:
                 m = mb.resp_mask.bool()
                 if r.use_engine_logprobs:  # no trainer pass: old = engine; mismatch comes from the first update
-                    lp = eng_logps[i]
-                    entropy_sum -= float(lp[m].sum())
+                    mb.old_logp = mb.engine_logp
+                    entropy_sum -= float(mb.old_logp[m].sum())
                 else:
-                    lp, ent = actor.engine(mb, r.temperature, entropy=True)
-                    mismatch.append((lp - eng_logps[i])[m].cpu())
+                    mb.old_logp, ent = actor.engine(mb, r.temperature, entropy=True)
+                    mismatch.append((mb.old_logp - mb.engine_logp)[m].cpu())
                     entropy_sum += float(ent[m].sum())
-                old_logps.append(lp)
                 if a.kl_coef > 0:
-                    ref_logps.append(actor.ref_engine(mb, r.temperature)[0])
-                    kl_ref_sum += float(kl_penalty(lp, ref_logps[-1], mb.resp_mask, StepNorm(1.0, 1.0)))
+                    mb.ref_logp = actor.ref_engine(mb, r.temperature)[0]
+                    kl_ref_sum += float(kl_penalty(mb.old_logp, mb.ref_logp, mb.resp_mask, StepNorm(1.0, 1.0)))
         timings["old_logprob"] = time.perf_counter() - tic
 
         # --- 4. updates: epochs x mini-batches, each an optimizer step over micro-batches ----------
@@ -250,33 +243,27 @@ def train(cfg: Config) -> Path:
         first_dev: list[Tensor] = []  # |log pi - log pi_old| on the step's first mini-batch (pi = pi_old there)
         off_policy: list[Tensor] = []  # per entry of `stats`: False on that first mini-batch, where nothing can clip
         skipped = 0
-        ends = np.cumsum([len(mini) for mini in minis]).tolist()
         for epoch in range(t.ppo_epochs):
-            for m0, m1 in zip([0, *ends[:-1]], ends, strict=True):
-                idx = range(m0, m1)
-                tokens = torch.tensor([sum(float(mbs[i].resp_mask.sum()) for i in idx),
-                                       sum(float(mbs[i].resp_mask.any(-1).sum()) for i in idx)], device=actor.device)
+            for mini in minis:
+                on_policy = epoch == 0 and mini is minis[0]  # still the weights that sampled: the IS ratio must be 1
+                tokens = torch.tensor([sum(float(mb.resp_mask.sum()) for mb in mini),
+                                       sum(float(mb.resp_mask.any(-1).sum()) for mb in mini)], device=actor.device)
                 dist.all_reduce(tokens)  # the normaliser is the whole optimizer step's, over all ranks
                 norm = StepNorm(tokens=max(float(tokens[0]), 1.0), seqs=max(float(tokens[1]), 1.0),
                                 constant=a.loss_constant)
-                for i in idx:
-                    b = rows[i]
-                    actor.engine.set_gradient_accumulation_boundary(i == m1 - 1)  # counts can differ per mini-batch
-                    logp, _ = actor.engine(mbs[i], r.temperature)
-                    if epoch == 0 and m0 == 0:  # still the weights that sampled: the IS ratio must be 1
-                        dev = (logp.detach() - old_logps[i])[mbs[i].resp_mask.bool()].cpu()
+                for i, mb in enumerate(mini):
+                    actor.engine.set_gradient_accumulation_boundary(i == len(mini) - 1)  # counts differ per mini-batch
+                    logp, _ = actor.engine(mb, r.temperature)
+                    if on_policy:
+                        dev = (logp.detach() - mb.old_logp)[mb.resp_mask.bool()].cpu()
                         first_dev.append(dev.abs())
                         if r.use_engine_logprobs:
                             mismatch.append(dev)
-                    loss, st = policy_loss(logp, old_logps[i], mbs[i].resp_mask, ga.adv[b], ga.c[b], ga.k[b],
-                                           a.eps_lo, eps_hi[b], norm, is_level=a.is_level, clip_rule=a.clip,
-                                           loss_agg=a.loss_agg)
-                    if a.kl_coef > 0:
-                        loss = loss + a.kl_coef * kl_penalty(logp, ref_logps[i], mbs[i].resp_mask, norm)
+                    loss, st = policy_loss(logp, mb, norm, a)
                     applied = actor.backward(loss)
                     stats.append(st)
-                    stat_rows.append(b)
-                    off_policy.append(torch.full((len(b),), not (epoch == 0 and m0 == 0)))
+                    stat_rows.append(mb.index)
+                    off_policy.append(torch.full((len(mb.index),), not on_policy))
                 if applied:
                     grad_norms.append(actor.grad_norm())
                     skipped_in_a_row = 0
@@ -301,14 +288,14 @@ def train(cfg: Config) -> Path:
 
         # --- 6. metrics over all ranks -------------------------------------------------------------
         local = {"stats": RolloutStats.cat(stats), "rewards": rewards, "c": ga.c, "k": ga.k,
-                 "status": [res.status for res in flat_results],
+                 "reward_counts": status_counts(flat_results),
                  "len": [len(x.response_ids) for x in rollouts], "trunc": [x.truncated for x in rollouts],
                  "mismatch": torch.cat(mismatch), "entropy_sum": entropy_sum, "kl_ref_sum": kl_ref_sum,
                  "first_dev": torch.cat(first_dev), "off_policy": torch.cat(off_policy), "skipped": skipped,
                  "tokens": float(sum(float(mb.resp_mask.sum()) for mb in mbs)), "timings": timings}
         if t.log_rollouts:
             local["records"] = rollout_records(step, rank, [batch[j] for j in mine], problems, groups, flat_results,
-                                               ga, eps_hi, stats, stat_rows)
+                                               ga, clip_high(ga.c, ga.k, a), stats, stat_rows)
         parts = gather(local)
         if rank == 0:
             metrics = step_metrics(parts, a.is_level, grad_norm, lr, a.correct_threshold)

@@ -6,7 +6,8 @@ IS ratio rho (token level) or s_i (sequence level, GSPO), and the surrogate of e
 
     L = E[ max(-A_i * s_i, -A_i * clip(s_i, 1 - eps_lo, 1 + eps_hi(c_i))) ]
 
-where eps_hi(c) is eq. 8 (`gapo_clip_high`) for the adaptive rule and a constant for fixed clipping.
+where eps_hi(c) is eq. 8 (`gapo_clip_high`) for the adaptive rule and a constant for fixed clipping
+(`clip_high` picks the rule from the algorithm config).
 
 Shapes: B rollouts in a micro-batch, T padded response length. `mask[b, t]` is 1 on response tokens.
 Every loss here is a *contribution to the optimizer step's loss*: its normaliser is the whole step's
@@ -17,11 +18,14 @@ data-parallel ranks) gives exactly the loss of the whole step, whatever the spli
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from gapo.config import ClipRule, IsLevel, LossAgg
+if TYPE_CHECKING:  # type hints only: this module needs torch alone
+    from gapo.config import AlgorithmConfig, IsLevel
+    from gapo.trainer.logprobs import MicroBatch
 
 # exp(±20) spans [2e-9, 5e8]. A log-ratio past that only comes from a numerically broken step; clamping
 # it keeps exp() finite (no inf * 0 = NaN in the surrogate). The clamped tokens get no gradient, which
@@ -127,30 +131,39 @@ class RolloutStats:
         return cls(**{f.name: torch.cat([getattr(p, f.name) for p in parts]) for f in fields(cls)})
 
 
-def policy_loss(logp: Tensor, old_logp: Tensor, mask: Tensor, adv: Tensor, c: Tensor, k: Tensor,
-                eps_lo: float, eps_hi: float | Tensor, norm: StepNorm, *, is_level: IsLevel = "sequence",
-                clip_rule: ClipRule = "fixed", loss_agg: LossAgg = "token_mean") -> tuple[Tensor, RolloutStats]:
-    """The clipped surrogate for one micro-batch.
+def clip_high(c: Tensor, k: Tensor, algo: AlgorithmConfig) -> Tensor:
+    """The upper clip width of each rollout [B] (float64): eq. 8's eps_hi(c) under the adaptive rule, the
+    constant eps_hi under fixed clipping (eps_hi = eps_lo for the symmetric presets) and CISPO's weight cap."""
+    if algo.clip == "adaptive":
+        return gapo_clip_high(c, k, algo.eps_lo, algo.eps_hi_max)
+    return torch.full(c.shape, algo.eps_hi, dtype=torch.float64)
 
-    logp, old_logp, mask: [B, T]; adv, c, k: [B]; eps_hi: scalar or [B] (adaptive, from c).
-    Returns this micro-batch's share of the step loss and its per-rollout stats.
+
+def policy_loss(logp: Tensor, batch: MicroBatch, norm: StepNorm, algo: AlgorithmConfig
+                ) -> tuple[Tensor, RolloutStats]:
+    """The clipped surrogate of eq. 11 for one micro-batch (plus the optional KL penalty).
+
+    logp: [B, T] log pi_theta of the response tokens, with gradient. From the batch: resp_mask and old_logp
+    [B, T], adv, c, k [B] (ref_logp [B, T] with a KL penalty). Returns this micro-batch's share of the step
+    loss and its per-rollout stats.
     """
-    mask = mask.to(logp.dtype)
+    mask = batch.resp_mask.to(logp.dtype)
+    old_logp, adv = batch.old_logp, batch.adv
+    eps_lo, eps_hi = algo.eps_lo, clip_high(batch.c, batch.k, algo)  # [B]
     n_tok = mask.sum(-1)  # [B]
     log_ratio = (logp - old_logp) * mask
     seq_log_ratio = log_ratio.sum(-1) / n_tok.clamp(min=1)  # [B]
-    if is_level == "token":
+    if algo.is_level == "token":
         log_rho = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     else:
         # GSPO-token form: value s_i on every token, gradient s_i * grad log pi(y_t) per token.
         s = seq_log_ratio.detach().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
         log_rho = s[:, None] + logp - logp.detach()
     rho = torch.exp(log_rho)  # [B, T]
-    hi = torch.as_tensor(eps_hi, dtype=rho.dtype, device=rho.device)
-    hi = 1.0 + (hi[:, None] if hi.ndim == 1 else hi)
+    hi = 1.0 + torch.as_tensor(eps_hi, dtype=rho.dtype, device=rho.device)[:, None]
     lo = 1.0 - eps_lo
     a = adv.to(rho.device, rho.dtype)[:, None]
-    if clip_rule == "cispo":
+    if algo.clip == "cispo":
         weight = torch.minimum(torch.clamp(rho, min=lo), hi).detach()
         per_tok = -a * weight * logp
         clip_hi = rho.detach() > hi
@@ -160,14 +173,16 @@ def policy_loss(logp: Tensor, old_logp: Tensor, mask: Tensor, adv: Tensor, c: Te
         clip_hi = (a > 0) & (rho.detach() > hi)
         clip_lo = (a < 0) & (rho.detach() < lo)
 
-    if loss_agg == "token_mean":
+    if algo.loss_agg == "token_mean":
         loss = (per_tok * mask).sum() / norm.tokens
-    elif loss_agg == "seq_mean_token_mean":
+    elif algo.loss_agg == "seq_mean_token_mean":
         loss = ((per_tok * mask).sum(-1) / n_tok.clamp(min=1)).sum() / norm.seqs
-    elif loss_agg == "seq_sum_constant":
+    elif algo.loss_agg == "seq_sum_constant":
         loss = (per_tok * mask).sum() / (norm.seqs * norm.constant)
     else:
-        raise ValueError(f"unknown loss aggregation {loss_agg!r}")
+        raise ValueError(f"unknown loss aggregation {algo.loss_agg!r}")
+    if algo.kl_coef > 0:
+        loss = loss + algo.kl_coef * kl_penalty(logp, batch.ref_logp, batch.resp_mask, norm)
 
     with torch.no_grad():
         # k3 estimator of KL(old || new) over tokens sampled from old: r - 1 - log r with r = pi_new / pi_old
@@ -175,7 +190,7 @@ def policy_loss(logp: Tensor, old_logp: Tensor, mask: Tensor, adv: Tensor, c: Te
         k3 = (torch.exp(d) - 1 - d) * mask
         # On the CPU, whatever device the loss ran on: stats are gathered across ranks as Python objects.
         stats = RolloutStats(seq_log_ratio=seq_log_ratio.detach().float().cpu(), adv=adv.detach().float().cpu(),
-                             c=c.long().cpu(), k=k.long().cpu(), n_tokens=n_tok.detach().float().cpu(),
+                             c=batch.c.long().cpu(), k=batch.k.long().cpu(), n_tokens=n_tok.detach().float().cpu(),
                              clip_hi_tokens=(clip_hi * mask).sum(-1).float().cpu(),
                              clip_lo_tokens=(clip_lo * mask).sum(-1).float().cpu(), kl_sum=k3.sum(-1).float().cpu())
     return loss, stats

@@ -3,6 +3,8 @@ testable on hand-made records without the loop (which nothing imports)."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import torch
 
@@ -15,7 +17,9 @@ def step_metrics(parts: list[dict], is_level: str, grad_norm: float, lr: float,
     stats = RolloutStats.cat([p["stats"] for p in parts])
     rewards = torch.cat([p["rewards"] for p in parts])
     c, k = torch.cat([p["c"] for p in parts]), torch.cat([p["k"] for p in parts])
-    status = [s for p in parts for s in p["status"]]
+    counts: Counter[str] = Counter()
+    for p in parts:
+        counts.update(p["reward_counts"])  # every status (zeros too) and every flag raised, e.g. an unisolated sandbox
     lengths = np.array([n for p in parts for n in p["len"]])
     mism = torch.cat([p["mismatch"] for p in parts]).double()
     tokens = sum(p["tokens"] for p in parts)
@@ -24,8 +28,8 @@ def step_metrics(parts: list[dict], is_level: str, grad_norm: float, lr: float,
     first_dev = torch.cat([p["first_dev"] for p in parts]).double()
     m = {"reward/mean": float(rewards.mean()),
          "reward/correct_frac": float((rewards >= correct_threshold).double().mean())}
-    for s in ("correct", "wrong", "no_answer", "timeout", "error"):
-        m[f"reward/{s}_frac"] = status.count(s) / len(status)
+    for key, n in counts.items():
+        m[f"reward/{key}_frac"] = n / len(rewards)
     m.update(group_metrics(c, k))
     m.update(update_metrics(stats, torch.cat([p["off_policy"] for p in parts]), is_level))
     m.update({"response/len_mean": float(lengths.mean()), "response/len_max": float(lengths.max()),
