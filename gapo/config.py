@@ -21,6 +21,8 @@ from typing import Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from gapo import arithmetic
+
 log = logging.getLogger("gapo.config")
 
 # The configs/ folder of the checkout (the package is installed editable: `make install`).
@@ -180,10 +182,8 @@ class DataConfig(_Section):
         before any process starts."""
         sources = [self.train] if isinstance(self.train, str) else [s.source for s in self.train]
         if "arithmetic" in sources:
-            from gapo.data import arithmetic_problems  # gapo.data imports this module
-
             try:
-                arithmetic_problems(self.arithmetic_size, seed=self.arithmetic_seed, levels=self.arithmetic_levels)
+                arithmetic.draw(self.arithmetic_size, seed=self.arithmetic_seed, levels=self.arithmetic_levels)
             except ValueError as err:  # an unknown level's message names the field already
                 msg = str(err) if str(err).startswith("data.") else (
                     f"data.arithmetic_size={self.arithmetic_size} with data.arithmetic_levels="

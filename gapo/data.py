@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from gapo import arithmetic
 from gapo.config import ConfigError, DataConfig, DataSource
 
 log = logging.getLogger("gapo.data")
@@ -169,45 +169,12 @@ def _read_file(path: Path) -> list:
     return data
 
 
-# --------------------------------------------------------------------------------------------------
-# Embedded arithmetic: a spread of difficulty so that groups span c = 0..k for a small model.
-# --------------------------------------------------------------------------------------------------
-LEVELS = (
-    ("add_small", lambda r: (r.randint(1, 20), "+", r.randint(1, 20))),
-    ("add_2digit", lambda r: (r.randint(10, 99), "+", r.randint(10, 99))),
-    ("sub_2digit", lambda r: (r.randint(10, 99), "-", r.randint(1, 99))),
-    ("add_3digit", lambda r: (r.randint(100, 999), "+", r.randint(10, 999))),
-    ("mul_small", lambda r: (r.randint(2, 12), "*", r.randint(2, 12))),
-    ("mul_2digit", lambda r: (r.randint(2, 9), "*", r.randint(11, 99))),
-)
-
-
 def arithmetic_problems(n: int, seed: int = _DEFAULT.arithmetic_seed, exclude: set[str] | None = None,
                         levels: list[str] | None = None) -> list[Problem]:
-    """n distinct problems, levels taken in turn, deterministic in `seed`; `exclude` keeps a held-out set
-    disjoint from training."""
-    known = [name for name, _ in LEVELS]
-    if levels is not None and (not levels or set(levels) - set(known)):
-        raise ValueError(f"data.arithmetic_levels={levels}: choose from {known}")
-    pool = [lv for lv in LEVELS if levels is None or lv[0] in levels]
-    rng = random.Random(seed)
-    seen = set(exclude or ())
-    out: list[Problem] = []
-    attempts = 0
-    while len(out) < n:
-        attempts += 1
-        if attempts > 50 * n + 1000:
-            raise ValueError(f"cannot draw {n} distinct arithmetic problems (only {len(out)} found)")
-        level, make = pool[attempts % len(pool)]  # round-robin; a small level that runs dry is skipped
-        a, op, b = make(rng)
-        question = f"What is {a} {op} {b}?"
-        if question in seen:
-            continue
-        seen.add(question)
-        value = a + b if op == "+" else a - b if op == "-" else a * b
-        out.append(Problem(uid=f"arith-{seed}-{len(out)}", question=question, gold=str(value),
-                           meta={"level": level}))
-    return out
+    """The embedded arithmetic set (gapo/arithmetic.py) as problems; `exclude` keeps a held-out set disjoint
+    from training."""
+    return [Problem(uid=f"arith-{seed}-{i}", question=q, gold=answer, meta={"level": level})
+            for i, (q, answer, level) in enumerate(arithmetic.draw(n, seed, exclude, levels))]
 
 
 # --------------------------------------------------------------------------------------------------

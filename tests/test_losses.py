@@ -425,7 +425,7 @@ def test_step_without_off_policy_update_has_no_clip_metrics():
 def test_reward_statuses_and_flags_reach_the_step_metrics():
     """Every status is a fraction of the step's rollouts over all ranks, and so is every flag a rewarder raised
     (an unisolated sandbox must show in the metrics, not only in a log line)."""
-    from gapo.trainer.loop import step_metrics
+    from gapo.trainer.step_metrics import step_metrics
 
     unisolated = (FLAG_UNISOLATED,)
     rank0 = [RewardResult.of("correct", flags=unisolated)] * 3 + [RewardResult.of("wrong", flags=unisolated)] + \
