@@ -92,7 +92,7 @@ def main() -> None:
     adv = torch.randn(MICRO, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     cfg = resolve({"algorithm": {"name": "gspo"},
                    "trainer": {"lr": 1e-6, "micro_batch_size": MICRO, "ppo_mini_batch_size": MINI}})
-    actor = Actor(cfg, model_dir, steps_per_rollout=2, micro_per_step=MINI // MICRO)
+    actor = Actor(cfg, model_dir)
     actor.engine.train()
     runs = {"bare": None, "gapo Actor": (actor, mbs)}
     if not args.no_shared:

@@ -44,7 +44,7 @@ def gather_worker(reps: int) -> None:
 
     rank, _ = init_distributed()
     cfg = resolve({"trainer": {"zero_stage": 3, "micro_batch_size": 8, "ppo_mini_batch_size": 16}})
-    actor = Actor(cfg, str(resolve_model("smollm2-135m")), steps_per_rollout=1, micro_per_step=1)
+    actor = Actor(cfg, str(resolve_model("smollm2-135m")))
     times, nbytes = [], 0
     for rep in range(reps + 1):  # the first is warm-up
         dist.barrier()

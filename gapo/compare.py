@@ -24,25 +24,25 @@ import numpy as np
 from matplotlib.figure import Figure
 from scipy import stats
 
-from gapo.plot import (
+from gapo.figures import (
     ALL_STEPS,
     RAW_PREFIX,
-    TRAINING_PANELS,
     PlotError,
     Run,
     Window,
-    _finish,
-    _grid,
-    _md_cell,
-    _no_data,
-    _style,
     clip_totals,
+    finish,
+    grid,
     in_window,
     load_run,
+    md_cell,
     moving_average,
+    no_data,
     parse_steps,
+    run_style,
     window_text,
 )
+from gapo.plot import TRAINING_PANELS
 
 LEVEL = 0.95
 _VAL_PASS1 = re.compile(r"^val/(.+)/pass@1$")
@@ -231,17 +231,17 @@ def difference_cell(a: Estimate | None, b: Estimate | None, percent: bool) -> st
 def tables(columns: list[str], est: dict[str, dict[str, Estimate]], percent: bool) -> list[str]:
     """Table 6 (labels x columns, mean ± CI) and Table 7 (pairs of labels x columns, Δ with Welch p)."""
     labels = list(est)
-    cols = " | ".join(_md_cell(c) for c in columns)
+    cols = " | ".join(md_cell(c) for c in columns)
     sep = "|---" * (len(columns) + 1) + "|"
     out = [f"| label | {cols} |", sep]
-    out += ["| " + " | ".join([_md_cell(lab)] + [estimate_cell(est[lab].get(c), percent) for c in columns]) + " |"
+    out += ["| " + " | ".join([md_cell(lab)] + [estimate_cell(est[lab].get(c), percent) for c in columns]) + " |"
             for lab in labels]
     if len(labels) > 1:
         out += ["", f"| Δ = first − second | {cols} |", sep]
         for i, a in enumerate(labels):
             for b in labels[i + 1:]:
                 cells = [difference_cell(est[a].get(c), est[b].get(c), percent) for c in columns]
-                out.append("| " + " | ".join([_md_cell(f"{a} vs {b}")] + cells) + " |")
+                out.append("| " + " | ".join([md_cell(f"{a} vs {b}")] + cells) + " |")
     return out
 
 
@@ -266,7 +266,7 @@ def _plot_band(ax, runs: list[Run], key: str, label: str, i: int, smooth: int = 
     x, mean, half = band(runs, key, smooth)
     if not len(x):
         return False
-    style = _style(i)
+    style = run_style(i)
     ok = np.isfinite(half)
     ax.fill_between(x, np.where(ok, mean - half, mean), np.where(ok, mean + half, mean), color=style["color"],
                     alpha=0.2, linewidth=0, label=f"{RAW_PREFIX}{label} CI")
@@ -284,14 +284,14 @@ def _legend_runs(groups: dict[str, list[Run]]) -> list[Run]:
 
 def _panels(groups: dict[str, list[Run]], keys: list[tuple[str, str]], title: str, smooth: int,
             max_cols: int = 3, sharey: bool = False) -> Figure:
-    fig, axes = _grid(len(keys), max_cols, (4.6, 3.3), sharey=sharey)
+    fig, axes = grid(len(keys), max_cols, (4.6, 3.3), sharey=sharey)
     for ax, (key, name) in zip(axes, keys, strict=True):
         drawn = [_plot_band(ax, runs, key, lab, i, smooth) for i, (lab, runs) in enumerate(groups.items())]
         ax.set_title(name, fontsize=10)
         if not any(drawn):
-            _no_data(ax, key)
+            no_data(ax, key)
     smoothed = f"; each seed's curve a moving average over {smooth} logged steps" if smooth > 1 else ""
-    return _finish(fig, _legend_runs(groups), f"{title}\n(mean over seeds ± {LEVEL:.0%} CI, Student-t{smoothed})")
+    return finish(fig, _legend_runs(groups), f"{title}\n(mean over seeds ± {LEVEL:.0%} CI, Student-t{smoothed})")
 
 
 def fig_clip_vs_c(groups: dict[str, list[Run]], window: Window) -> Figure | None:
@@ -309,7 +309,7 @@ def fig_clip_vs_c(groups: dict[str, list[Run]], window: Window) -> Figure | None
                 x.append(c + 0.06 * (i - (len(per_label) - 1) / 2))  # side by side, not on top of each other
                 m.append(float(np.mean(vals)))
                 h.append(ci_half_width(vals))
-        style = _style(i)
+        style = run_style(i)
         ax.errorbar(x, m, yerr=np.nan_to_num(h), capsize=3, linewidth=1.7, label=lab, **style)
     ax.set_xticks(cs)
     ax.set_xlim(cs[0] - 0.5, cs[-1] + 0.5)
@@ -317,7 +317,7 @@ def fig_clip_vs_c(groups: dict[str, list[Run]], window: Window) -> Figure | None
     ax.set_ylabel("clip fraction, per seed from summed counts")
     ax.set_ylim(bottom=0)
     ax.set_title(f"off-policy updates, {window_text(window)}", fontsize=10)
-    return _finish(fig, _legend_runs(groups), f"Clip fraction of correct rollouts against c (paper Fig. 3)\n"
+    return finish(fig, _legend_runs(groups), f"Clip fraction of correct rollouts against c (paper Fig. 3)\n"
                    f"(mean over seeds ± {LEVEL:.0%} CI, Student-t)", step_axis=False)
 
 
@@ -358,7 +358,7 @@ def write_report(out: Path, groups: dict[str, list[Run]], window: Window = ALL_S
              "− 1), as in the paper's Table 6. Δ is the first label's mean minus the second's, with the two-sided "
              "p-value of Welch's t-test (unequal variances) as in Table 7: * p < 0.05, ** p < 0.01, "
              "*** p < 0.001.", "", "## Runs", "", "| label | seeds | run directories |", "|---|---|---|"]
-    lines += [f"| {_md_cell(lab)} | {len(runs)} | {_md_cell(', '.join(str(r.path) for r in runs))} |"
+    lines += [f"| {md_cell(lab)} | {len(runs)} | {md_cell(', '.join(str(r.path) for r in runs))} |"
               for lab, runs in groups.items()]
     lines += ["", "## Final validation pass@1, % (Tables 6 and 7)", ""]
     if benches:

@@ -15,6 +15,7 @@ import copy
 import logging
 import re
 import textwrap
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -22,6 +23,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from gapo import arithmetic
+from gapo.errors import ConfigError
 
 log = logging.getLogger("gapo.config")
 
@@ -36,10 +38,6 @@ LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_sum_constant"]
 
 # The math prompts' instruction (DeepScaleR's, the paper's): data.instruction's default, and gapo-eval's for math.
 MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
-
-
-class ConfigError(ValueError):
-    """A configuration the user must fix; the message names the key, the value and what is allowed."""
 
 
 class _Section(BaseModel):
@@ -83,7 +81,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # eps_lo = 1.0 (lower bound 0, i.e. no lower clip, as MiniMax-M1) and eps_hi = 4.0 (ScaleRL's
     # eps_max). MiniMax-M1 tunes only the upper bound and does not publish it; TRL and ScaleRL differ.
     # These are weight bounds, not clip widths, so clip_widths does not apply.
-    "cispo": dict(is_level="token", clip="cispo", eps_lo=1.0, eps_hi=4.0, eps_hi_max=4.0, std_normalize=False,
+    "cispo": dict(is_level="token", clip="cispo", eps_lo=1.0, eps_hi=4.0, std_normalize=False,
                   focal_gamma=0.0, loss_agg="token_mean"),
 }
 # The paper's widths (eps_lo, eps_hi_max) per IS level for Qwen2.5-Math-1.5B and Llama-3.2-3B (§4.1).
@@ -102,10 +100,12 @@ class AlgorithmConfig(_Section):
     clip: ClipRule | None = Field(None, description="fixed bounds, GAPO's adaptive upper bound (eq. 8), or CISPO's "
                                                     "clipped, detached IS weight.")
     eps_lo: float | None = Field(None, ge=0.0, le=1.0, description="Lower clip width: ratios below 1 - eps_lo clip.")
-    eps_hi: float | None = Field(None, ge=0.0,
-                                 description="Upper bound for the fixed rule (and the CISPO weight cap).")
+    eps_hi: float | None = Field(
+        None, ge=0.0, description="Upper clip width of the fixed rule (ratios above 1 + eps_hi clip); CISPO's weight "
+                                  "cap. Not used by the adaptive rule (null there).")
     eps_hi_max: float | None = Field(
-        None, ge=0.0, description="Largest upper bound of the adaptive rule, reached at c = 1 (eq. 8).")
+        None, ge=0.0, description="The adaptive rule's widest upper width, reached at c = 1 (eq. 8); null for the "
+                                  "fixed rule and CISPO.")
     std_normalize: bool | None = Field(None, description="Divide group advantages by the group's reward std.")
     focal_gamma: float | None = Field(None, ge=0.0, description="Focal advantage shaping (1 - c/k)^gamma; 0 = off.")
     loss_agg: LossAgg | None = Field(None, description="How token losses are averaged over the optimizer step.")
@@ -120,8 +120,16 @@ class AlgorithmConfig(_Section):
 
     @model_validator(mode="after")
     def _bounds(self) -> AlgorithmConfig:
-        if None in (self.eps_lo, self.eps_hi, self.eps_hi_max):
-            return self  # not resolved yet: presets fill them in resolve()
+        """One shape per clip rule: fixed and CISPO take {eps_lo, eps_hi}, adaptive {eps_lo, eps_hi_max}; the
+        other upper field stays null, so a value given for it is an error rather than silently unused."""
+        if self.clip is None:
+            return self  # not resolved yet: presets fill the switches in resolve()
+        own, other = ("eps_hi_max", "eps_hi") if self.clip == "adaptive" else ("eps_hi", "eps_hi_max")
+        if getattr(self, other) is not None:
+            raise ValueError(f"algorithm.{other}={getattr(self, other)}: the {self.clip} rule ({self.name}) has no "
+                             f"such bound; its upper bound is algorithm.{own}")
+        if self.eps_lo is None or getattr(self, own) is None:
+            raise ValueError(f"algorithm: the {self.clip} rule needs eps_lo and {own} (a preset sets both)")
         if self.clip == "adaptive" and self.eps_lo > self.eps_hi_max:
             raise ValueError(
                 f"algorithm.eps_lo={self.eps_lo} > algorithm.eps_hi_max={self.eps_hi_max}: the adaptive "
@@ -130,6 +138,28 @@ class AlgorithmConfig(_Section):
             raise ValueError(f"algorithm.eps_lo={self.eps_lo}: a PPO lower bound 1 - eps_lo must stay "
                              "above 0, so eps_lo must be < 1 (only clip=cispo allows 1.0)")
         return self
+
+    @property
+    def upper(self) -> float:
+        """The rule's upper width: eps_hi_max (adaptive, at c = 1) or eps_hi (fixed; CISPO's weight cap)."""
+        return self.eps_hi_max if self.clip == "adaptive" else self.eps_hi
+
+    def describe(self) -> str:
+        """The clip rule and its bounds in words, as the console, the rehearsal report and gapo-plot show it."""
+        lo, hi = fmt_eps(self.eps_lo), fmt_eps(self.upper)
+        if self.clip == "adaptive":
+            return f"adaptive clip 1 - {lo} .. 1 + eps_hi(c), eps_hi from {hi} (c = 1) to {lo} (c = k-1)"
+        if self.clip == "cispo":
+            return f"CISPO weight clipped to [1 - {lo}, 1 + {hi}]"
+        return f"fixed clip 1 - {lo} .. 1 + {hi}"
+
+
+def fmt_eps(x: float) -> str:
+    """Clip widths the way the paper writes them: 3e-3, 5.25e-3, 7e-5, but 0.2 and 0.28 as decimals."""
+    if x == 0 or abs(x) >= 0.01:
+        return f"{x:g}"
+    mant, exp = f"{x:.4e}".split("e")
+    return f"{mant.rstrip('0').rstrip('.')}e{int(exp)}"
 
 
 class ModelConfig(_Section):
@@ -328,20 +358,53 @@ class Config(_Section):
     def _batch_shapes(self) -> Config:
         if self.rollout.sleep_between_steps and self.rollout.engine != "vllm":
             raise ValueError("rollout.sleep_between_steps=true needs rollout.engine=vllm (GPU only)")
-        rollouts = self.rollout.prompts_per_step * self.rollout.group_size
-        t = self.trainer
-        if t.ppo_mini_batch_size > rollouts or rollouts % t.ppo_mini_batch_size:
-            raise ValueError(
-                f"trainer.ppo_mini_batch_size={t.ppo_mini_batch_size} must divide the rollouts per step "
-                f"(rollout.prompts_per_step * rollout.group_size = {rollouts})")
         longest = self.data.max_prompt_tokens + self.rollout.max_new_tokens
-        if t.max_tokens_per_micro_batch is not None and t.max_tokens_per_micro_batch < longest:
-            raise ValueError(f"trainer.max_tokens_per_micro_batch={t.max_tokens_per_micro_batch} must hold one "
-                             f"rollout of data.max_prompt_tokens + rollout.max_new_tokens = {longest} tokens")
-        if t.micro_batch_size > t.ppo_mini_batch_size or t.ppo_mini_batch_size % t.micro_batch_size:
-            raise ValueError(f"trainer.micro_batch_size={t.micro_batch_size} must divide "
-                             f"trainer.ppo_mini_batch_size={t.ppo_mini_batch_size}")
+        budget = self.trainer.max_tokens_per_micro_batch
+        if budget is not None and budget < longest:
+            raise ValueError(f"trainer.max_tokens_per_micro_batch={budget} must hold one rollout of "
+                             f"data.max_prompt_tokens + rollout.max_new_tokens = {longest} tokens")
+        self.shape(1)  # the splits that do not depend on the number of ranks
         return self
+
+    def shape(self, world: int) -> BatchShape:
+        """How a step's rollouts split on `world` ranks; a split that does not divide is an error naming the
+        keys (ZeRO-3 needs every rank to run the same number of forwards)."""
+        r, t = self.rollout, self.trainer
+        rollouts = r.prompts_per_step * r.group_size
+        if t.ppo_mini_batch_size > rollouts or rollouts % t.ppo_mini_batch_size:
+            raise ConfigError(f"trainer.ppo_mini_batch_size={t.ppo_mini_batch_size} must divide the rollouts per "
+                              f"step (rollout.prompts_per_step * rollout.group_size = {rollouts})")
+        if t.micro_batch_size > t.ppo_mini_batch_size or t.ppo_mini_batch_size % t.micro_batch_size:
+            raise ConfigError(f"trainer.micro_batch_size={t.micro_batch_size} must divide "
+                              f"trainer.ppo_mini_batch_size={t.ppo_mini_batch_size}")
+        if r.prompts_per_step % world:
+            raise ConfigError(f"rollout.prompts_per_step={r.prompts_per_step} must be divisible by the {world} ranks")
+        if t.ppo_mini_batch_size % (world * t.micro_batch_size):
+            raise ConfigError(f"trainer.ppo_mini_batch_size={t.ppo_mini_batch_size} must be divisible by "
+                              f"ranks x trainer.micro_batch_size = {world} x {t.micro_batch_size}")
+        minis = rollouts // t.ppo_mini_batch_size
+        return BatchShape(world=world, prompts=r.prompts_per_step // world, rollouts=rollouts // world,
+                          mini=t.ppo_mini_batch_size // world, micro=t.micro_batch_size, minis=minis,
+                          updates=minis * t.ppo_epochs)
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """One step's split on each rank, derived once from the config and the number of ranks (`Config.shape`):
+    the loop, the actor, the memory plan and the rehearsal all read it here."""
+
+    world: int
+    prompts: int  # prompts per rank; the step has prompts * world
+    rollouts: int  # rollouts per rank (prompts x group size)
+    mini: int  # rollouts per rank in one optimizer step
+    micro: int  # rollouts per micro-batch (at most, with a token budget)
+    minis: int  # optimizer steps per epoch over the rollout batch
+    updates: int  # optimizer steps per rollout batch: epochs x minis
+
+    @property
+    def micro_per_mini(self) -> int:
+        """Micro-batches per optimizer step by count (a token budget may need more; the ranks agree on the count)."""
+        return self.mini // self.micro
 
 
 # --------------------------------------------------------------------------------------------------
@@ -429,20 +492,23 @@ def resolve(raw: dict | None = None, overrides: list[str] | tuple[str, ...] = ()
             log.info("algorithm.name=%s on the command line: not using the config file's %s (they set up %s)",
                      name, ", ".join(f"algorithm.{k}" for k in dropped), file_algo.get("name", "gapo"))
         algo = {k: v for k, v in algo.items() if k not in dropped}
-    tree["algorithm"] = {**_preset_switches(name, algo),
-                         **{k: v for k, v in algo.items() if v is not None}}
-    merged = tree["algorithm"]
-    # An explicit eps_hi with a fixed-clip preset also moves eps_hi_max (they name one bound there).
-    if "eps_hi" in algo and "eps_hi_max" not in algo and merged["clip"] != "adaptive":
-        merged["eps_hi_max"] = merged["eps_hi"]
-    if "eps_hi_max" in algo and "eps_hi" not in algo and merged["clip"] == "adaptive":
-        merged["eps_hi"] = merged["eps_hi_max"]
+    merged = {**_preset_switches(name, algo), **{k: v for k, v in algo.items() if v is not None}}
+    # Configs written before each rule had its own shape carry both upper fields, always equal: keep the rule's.
+    other = "eps_hi" if merged.get("clip") == "adaptive" else "eps_hi_max"
+    if other in merged and merged[other] == merged.get("eps_hi_max" if other == "eps_hi" else "eps_hi"):
+        del merged[other]
+    tree["algorithm"] = merged
     try:
         cfg = Config.model_validate(tree)
     except ValidationError as err:
         raise ConfigError(_format_errors(err)) from None
+    # "null: another field" defaults, filled here once, so that every reader sees the value that runs.
     if cfg.algorithm.loss_constant is None:
         cfg.algorithm.loss_constant = float(cfg.rollout.max_new_tokens)
+    if cfg.eval.max_new_tokens is None:
+        cfg.eval.max_new_tokens = cfg.rollout.max_new_tokens
+    if cfg.eval.instruction is None:
+        cfg.eval.instruction = cfg.data.instruction
     return cfg
 
 
@@ -459,9 +525,10 @@ def _preset_switches(name: str, algo: dict) -> dict[str, Any]:
     if not (isinstance(pair, list | tuple) and len(pair) == 2 and all(isinstance(x, int | float) for x in pair)):
         raise ConfigError(f"algorithm.clip_widths.{preset['is_level']}: expected [eps_lo, eps_hi_max], got {pair!r}")
     lo, hi = float(pair[0]), float(pair[1])
+    if shape == "adaptive":
+        return {**preset, "eps_lo": lo, "eps_hi_max": hi}
     own_lo = algo.get("eps_lo")
-    upper = (lo if own_lo is None else own_lo) if shape == "sym" else hi
-    return {**preset, "eps_lo": lo, "eps_hi": upper, "eps_hi_max": upper}
+    return {**preset, "eps_lo": lo, "eps_hi": (lo if own_lo is None else own_lo) if shape == "sym" else hi}
 
 
 def _merge(base: dict, top: dict) -> dict:

@@ -95,10 +95,9 @@ def run_header(cfg: Config, run_dir: Path, world: int) -> str:
     m, d, a, r, t, ev = cfg.model, cfg.data, cfg.algorithm, cfg.rollout, cfg.trainer, cfg.eval
     train = d.train if isinstance(d.train, str) else ", ".join(f"{s.source}:{s.subset}" if s.subset else s.source
                                                                 for s in d.train)
-    upper = f"eps_hi_max {a.eps_hi_max:g}" if a.clip == "adaptive" else f"eps_hi {a.eps_hi:g}"
     lines = [f"run        {run_dir}" + (f"  (from {t.resume_from})" if t.resume_from else ""),
              f"model      {m.path} ({m.dtype}), {r.engine} rollouts, {world} rank(s), ZeRO-{t.zero_stage}",
-             f"algorithm  {a.name}: {a.is_level} IS, {a.clip} clip (eps_lo {a.eps_lo:g}, {upper}), {a.loss_agg}",
+             f"algorithm  {a.name}: {a.is_level} IS, {a.describe()}, {a.loss_agg}",
              f"data       {train} ({d.type}): {t.total_steps} steps x {r.prompts_per_step} prompts x "
              f"{r.group_size} rollouts, lr {t.lr:g}"]
     if ev.benchmarks:

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch.distributed as dist
 from tqdm import tqdm
 
-from gapo import ifeval
+from gapo import ifeval, rundir
 from gapo.config import MATH_INSTRUCTION, ConfigError, DataConfig, RewardConfig, load_config
 from gapo.data import Problem, arithmetic_problems, build_prompt_ids, load_problems, stop_token_ids
 from gapo.distributed import gather
@@ -304,9 +304,7 @@ def resolve_eval_model(path: str) -> Path:
     p = Path(path)
     if (p / "config.json").is_file():
         return p
-    from gapo.trainer.checkpoint import find
-
-    return find(p) / "hf"
+    return rundir.find(p) / "hf"
 
 
 # What gapo-eval uses for a setting that neither its command line nor a --protocol gives.

@@ -214,15 +214,14 @@ def memory_plan(cfg: Config, facts: dict, world: int, device_gb: float = 80.0) -
         kv_given = max(0, int(r.gpu_memory_utilization * device_gb * GiB) - weights - VLLM_RESERVE)
     per_token = kv_bytes_per_token(facts, b)
     seq_len = d.max_prompt_tokens + r.max_new_tokens
-    prompts_per_rank = math.ceil(r.prompts_per_step / world)
-    max_model_len = d.max_prompt_tokens + max(r.max_new_tokens, cfg.eval.max_new_tokens or 0)
+    max_model_len = d.max_prompt_tokens + max(r.max_new_tokens, cfg.eval.max_new_tokens)
     tokens, padded = micro_batch_shape(cfg)
     activations, mask = activation_bytes(facts, tokens, padded, b, m.gradient_checkpointing)
     _, _, _, _, _, _, vocab = _shape(facts)
     return MemoryPlan(
         params=params, dtype=m.dtype, zero_stage=cfg.trainer.zero_stage, world=world, micro_batch_tokens=tokens,
         sleep=r.sleep_between_steps, vllm_weights=weights, vllm_reserve=VLLM_RESERVE, kv_cache_given=kv_given,
-        kv_cache_needed=prompts_per_rank * r.group_size * seq_len * per_token,
+        kv_cache_needed=cfg.shape(world).rollouts * seq_len * per_token,
         kv_one_sequence=max_model_len * per_token,
         # A KL penalty keeps a frozen reference copy of the weights, partitioned like the actor's.
         trainer_states=trainer_state_bytes(params, m.dtype, cfg.trainer.zero_stage, world)

@@ -56,11 +56,8 @@ class Plan:
 
 def method_row(cfg: Config) -> str:
     a = cfg.algorithm
-    bound = {"adaptive": f"eps_hi(c) from {a.eps_lo:g} (c = k-1) to {a.eps_hi_max:g} (c = 1)",
-             "fixed": f"eps_hi {a.eps_hi:g}", "cispo": f"weight cap {a.eps_hi:g}"}[a.clip]
-    return (f"{a.name}: {a.is_level} IS, {a.clip} clip, eps_lo {a.eps_lo:g}, {bound}, std-norm "
-            f"{'on' if a.std_normalize else 'off'}, focal {a.focal_gamma:g}, {a.loss_agg}, "
-            f"k = {cfg.rollout.group_size}")
+    return (f"{a.name}: {a.is_level} IS, {a.describe()}, std-norm {'on' if a.std_normalize else 'off'}, "
+            f"focal {a.focal_gamma:g}, {a.loss_agg}, k = {cfg.rollout.group_size}")
 
 
 def plan(cfg: Config, nproc: int) -> Plan:
@@ -91,14 +88,13 @@ def plan(cfg: Config, nproc: int) -> Plan:
     world = min(nproc, 2)
     if world != nproc:
         scaled.append(f"ranks: {nproc} -> {world}")
-    minis = r.prompts_per_step * r.group_size // t.ppo_mini_batch_size  # optimizer steps per epoch: kept
-    micro_per_mini = max(1, t.ppo_mini_batch_size // nproc // t.micro_batch_size)
-    scale("rollout.prompts_per_step", world * minis)
+    real = cfg.shape(nproc)
+    scale("rollout.prompts_per_step", world * real.minis)  # optimizer steps per epoch: kept
     scale("trainer.ppo_mini_batch_size", world * r.group_size)
-    scale("trainer.micro_batch_size", r.group_size // 2 if micro_per_mini > 1 and r.group_size % 2 == 0
+    scale("trainer.micro_batch_size", r.group_size // 2 if real.micro_per_mini > 1 and r.group_size % 2 == 0
           else r.group_size)
     scale("rollout.max_new_tokens", min(r.max_new_tokens, NEW_TOKENS))
-    scale("eval.max_new_tokens", min(ev.max_new_tokens or r.max_new_tokens, NEW_TOKENS))
+    scale("eval.max_new_tokens", min(ev.max_new_tokens, NEW_TOKENS))
     scale("data.max_prompt_tokens", min(d.max_prompt_tokens, PROMPT_TOKENS))
     if t.max_tokens_per_micro_batch:  # as many longest rollouts per micro-batch as the real budget holds
         longest = tree["data"]["max_prompt_tokens"] + tree["rollout"]["max_new_tokens"]
@@ -108,7 +104,7 @@ def plan(cfg: Config, nproc: int) -> Plan:
     if t.resume_from:  # two steps past the checkpoint (a resumed run counts on from its step)
         from gapo.trainer import checkpoint
 
-        start = checkpoint.read(checkpoint.find(t.resume_from))[0].step
+        start = checkpoint.read(rundir.find(t.resume_from))[0].step
     scale("trainer.total_steps", start + STEPS)
     scale("trainer.save_every", 0)
     scale("trainer.eval_every", 0)

@@ -1,5 +1,5 @@
-"""The files of a run directory (trainer.output_dir), named once: the loop and the tracker write them;
-checkpoint, rehearse, gapo-plot and gapo-compare read them.
+"""The files of a run directory (trainer.output_dir), named once, and finding a run's checkpoints: the loop and
+the tracker write them; checkpoint, rehearse, gapo-eval, gapo-plot and gapo-compare read them.
 
     <output_dir>/
         config.yaml         the resolved config of the latest start
@@ -8,9 +8,16 @@ checkpoint, rehearse, gapo-plot and gapo-compare read them.
         memory_plan.txt     the memory plan the run was checked against
         train.log           what the console leaves out
         val/step_N/         validation results at step N (gapo-eval's results.json and per_problem.jsonl)
-        checkpoints/        see gapo/trainer/checkpoint.py
+        eval/P/step_N/      gapo-eval --run: checkpoint N under the protocol P (a paper table's settings)
+        checkpoints/        step_N/ (see gapo/trainer/checkpoint.py) and `latest`, the newest complete one
         rehearsal_config.yaml, rehearsal.md     a rehearsal's config and report (gapo-train --rehearse)
 """
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from gapo.errors import ConfigError
 
 CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"
@@ -18,6 +25,51 @@ ROLLOUTS = "rollouts.jsonl"
 MEMORY_PLAN = "memory_plan.txt"
 TRAIN_LOG = "train.log"
 VAL = "val"
+EVAL = "eval"
 CHECKPOINTS = "checkpoints"
+LATEST = "latest"  # inside CHECKPOINTS: the name of the newest complete checkpoint
+STATE = "trainer.json"  # inside a checkpoint: what makes a directory one
 REHEARSAL_CONFIG = "rehearsal_config.yaml"
 REHEARSAL_REPORT = "rehearsal.md"
+
+
+def step_name(step: int) -> str:
+    """step_000600: the directory of step 600, under checkpoints/, val/ and eval/P/."""
+    return f"step_{step:06d}"
+
+
+def is_checkpoint(path: Path) -> bool:
+    return (path / STATE).is_file()
+
+
+def run_of(path: str | Path) -> Path:
+    """The run directory of a checkpoint directory, or the path itself (a run directory)."""
+    p = Path(path)
+    return p.parent.parent if is_checkpoint(p) else p
+
+
+def checkpoints(run_dir: str | Path) -> dict[int, Path]:
+    """The run's complete checkpoints by step (a half-written one is still named .tmp-step_N)."""
+    root = Path(run_dir) / CHECKPOINTS
+    found = {}
+    for p in sorted(root.glob("step_*")) if root.is_dir() else []:
+        if is_checkpoint(p) and p.name[5:].isdigit():
+            found[int(p.name[5:])] = p
+    return found
+
+
+def find(path: str | Path) -> Path:
+    """A run directory (-> its latest complete checkpoint) or a checkpoint directory."""
+    p = Path(path)
+    if is_checkpoint(p):
+        return p
+    latest = p / CHECKPOINTS / LATEST
+    if latest.is_file():
+        ckpt = p / CHECKPOINTS / latest.read_text().strip()
+        if not is_checkpoint(ckpt):
+            raise ConfigError(f"--resume {path}: {latest} names {ckpt.name}, which is missing or incomplete")
+        return ckpt
+    if p.is_dir() and (p / CHECKPOINTS).is_dir():
+        raise ConfigError(f"--resume {path}: no complete checkpoint in {p / CHECKPOINTS} (no '{LATEST}' file)")
+    raise ConfigError(f"--resume {path}: not a run directory with checkpoints, nor a checkpoint directory "
+                      f"(one holding {STATE})")

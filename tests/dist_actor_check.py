@@ -47,7 +47,7 @@ def main(out_path: str, dtype: str, stage: int) -> None:
     result = {}
     ends = []
     for poison in (False, True):
-        actor = Actor(cfg, model_dir, steps_per_rollout=3, micro_per_step=2)
+        actor = Actor(cfg, model_dir)
         model_dtype, accum_dtype = actor.engine.get_data_types()
         result.update(stage=actor.zero_stage, model_dtype=str(model_dtype), accum_dtype=str(accum_dtype),
                       comm_dtype=str(actor.engine.communication_data_type))

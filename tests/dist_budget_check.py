@@ -25,7 +25,7 @@ def main(out_path: str, stage: int) -> None:
                    "trainer": {"zero_stage": stage, "micro_batch_size": 8, "ppo_mini_batch_size": 16,
                                "grad_clip": 1e9, "lr": 1e-30}})  # lr: the weights stay put between splits
     model_dir = str(resolve_model("tiny-qwen2"))
-    actor = Actor(cfg, model_dir, steps_per_rollout=1, micro_per_step=N // world // 8)
+    actor = Actor(cfg, model_dir)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 300, (5,), generator=g).tolist() for _ in range(N)]
     lens = [40 - 2 * i for i in range(N)]  # rank 0's shard is the long half

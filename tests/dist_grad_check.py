@@ -18,10 +18,10 @@ def main(out_path: str, stage: int) -> None:
     rank, world = init_distributed()
     cfg = resolve({"model": {"path": "tiny-qwen2"}, "trainer": {"zero_stage": stage, "micro_batch_size": 2,
                                                               "ppo_mini_batch_size": 8, "grad_clip": 1e9},
-                   "rollout": {"prompts_per_step": 1, "group_size": 8}})
+                   "rollout": {"prompts_per_step": 2, "group_size": 4}})
     model_dir = str(resolve_model("tiny-qwen2"))
     micro = 8 // world // 2
-    actor = Actor(cfg, model_dir, steps_per_rollout=1, micro_per_step=micro)
+    actor = Actor(cfg, model_dir)
     g = torch.Generator().manual_seed(0)
     # Micro-batches 0 and 2 repeat one prompt (run once on a shared KV cache, two decoder calls per forward),
     # 1 and 3 have two different prompts; the torch reference runs every rollout whole.

@@ -20,9 +20,9 @@ CHUNK = 4  # response tokens per logit chunk: 2 rollouts x 12 tokens = 6 chunks
 def main(out_path: str) -> None:
     rank, world = init_distributed()
     logprobs_module.LOGIT_CHUNK = CHUNK
-    cfg = resolve({"model": {"path": "tiny-qwen2"}, "rollout": {"prompts_per_step": 1, "group_size": 4},
+    cfg = resolve({"model": {"path": "tiny-qwen2"}, "rollout": {"prompts_per_step": 2, "group_size": 2},
                    "trainer": {"zero_stage": 3, "micro_batch_size": 2, "ppo_mini_batch_size": 4}})
-    actor = Actor(cfg, str(resolve_model("tiny-qwen2")), steps_per_rollout=1, micro_per_step=1)
+    actor = Actor(cfg, str(resolve_model("tiny-qwen2")))
     head = actor.module.get_output_embeddings().weight
     gathers = {"head": 0}
     original = PartitionedParameterCoordinator._PartitionedParameterCoordinator__all_gather_params

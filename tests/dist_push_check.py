@@ -30,10 +30,10 @@ def main(out_path: str) -> None:
     rank, world = init_distributed()
     cfg = resolve({"model": {"path": "tiny-qwen2"}, "trainer": {"zero_stage": 3, "lr": 3e-3, "micro_batch_size": 4,
                                                               "ppo_mini_batch_size": 8},
-                   "rollout": {"prompts_per_step": 1, "group_size": 8}})
+                   "rollout": {"prompts_per_step": 2, "group_size": 8}})
     model_dir = str(resolve_model("tiny-qwen2"))
     engine = VLLMEngine(model_dir, dtype="float32", seed=rank, max_model_len=1024, kv_cache_gb=0.25)
-    actor = Actor(cfg, model_dir, steps_per_rollout=1, micro_per_step=1)
+    actor = Actor(cfg, model_dir)
     tok = engine.tokenizer
     # Prompts longer than one 128-token KV block, so a stale prefix cache would show.
     long_prefix = "Consider carefully. " * 12

@@ -1,5 +1,6 @@
 """Config resolution: presets, overrides, and the errors a user must see."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -7,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gapo.config import PRESETS, ConfigError, load_config, resolve
+from gapo.config import PRESETS, AlgorithmConfig, ConfigError, load_config, resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,8 +30,9 @@ EXPECTED = {
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_every_preset_resolves_to_documented_switches(name):
     a = resolve({"algorithm": {"name": name}}).algorithm
-    upper = a.eps_hi_max if a.clip == "adaptive" else a.eps_hi
-    assert (a.is_level, a.clip, a.eps_lo, upper, a.std_normalize, a.focal_gamma, a.loss_agg) == EXPECTED[name]
+    assert (a.is_level, a.clip, a.eps_lo, a.upper, a.std_normalize, a.focal_gamma, a.loss_agg) == EXPECTED[name]
+    # one shape per rule: the other upper field is null
+    assert (a.eps_hi if a.clip == "adaptive" else a.eps_hi_max) is None
 
 
 def test_presets_cover_exactly_the_documented_algorithms():
@@ -39,11 +41,46 @@ def test_presets_cover_exactly_the_documented_algorithms():
 
 def test_user_switches_win_over_preset():
     a = resolve({"algorithm": {"name": "gspo", "eps_hi": 5e-3}}).algorithm  # GSPO-asym
-    assert (a.eps_lo, a.eps_hi, a.eps_hi_max, a.clip) == (3e-3, 5e-3, 5e-3, "fixed")
+    assert (a.eps_lo, a.eps_hi, a.eps_hi_max, a.clip) == (3e-3, 5e-3, None, "fixed")
     a = resolve({}, ["algorithm.name=gapo", "algorithm.eps_hi_max=5.25e-3", "algorithm.std_normalize=true"]).algorithm
     assert (a.eps_hi_max, a.std_normalize, a.is_level) == (5.25e-3, True, "sequence")
     a = resolve({}, ["algorithm.name=grpo", "algorithm.focal_gamma=0.5", "algorithm.is_level=sequence"]).algorithm
     assert (a.focal_gamma, a.is_level, a.eps_lo) == (0.5, "sequence", 0.2)
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["algorithm.name=gapo", "algorithm.eps_hi=0.01"],
+     "algorithm.eps_hi=0.01: the adaptive rule (gapo) has no such bound; its upper bound is algorithm.eps_hi_max"),
+    (["algorithm.name=gspo", "algorithm.eps_hi_max=0.007"],
+     "algorithm.eps_hi_max=0.007: the fixed rule (gspo) has no such bound; its upper bound is algorithm.eps_hi"),
+])
+def test_the_other_rules_bound_is_an_error_not_ignored(overrides, needle):
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        resolve({}, overrides)
+
+
+def test_configs_written_with_both_upper_fields_still_resolve():
+    """Before each rule had one shape, resolved configs (checkpoints, run directories) carried eps_hi = eps_hi_max."""
+    old = {"algorithm": {"name": "gspo", "clip": "fixed", "eps_lo": 3e-3, "eps_hi": 5e-3, "eps_hi_max": 5e-3}}
+    assert (resolve(old).algorithm.eps_hi, resolve(old).algorithm.eps_hi_max) == (5e-3, None)
+    old = {"algorithm": {"name": "gapo", "clip": "adaptive", "eps_lo": 3e-3, "eps_hi": 5e-3, "eps_hi_max": 5e-3}}
+    assert (resolve(old).algorithm.eps_hi, resolve(old).algorithm.eps_hi_max) == (None, 5e-3)
+
+
+def test_null_defaults_are_filled_once_at_resolve():
+    cfg = resolve({"rollout": {"max_new_tokens": 77}, "data": {"instruction": "Box it."}})
+    assert (cfg.eval.max_new_tokens, cfg.eval.instruction, cfg.algorithm.loss_constant) == (77, "Box it.", 77.0)
+    cfg = resolve({"rollout": {"max_new_tokens": 77}, "eval": {"max_new_tokens": 9, "instruction": ""}})
+    assert (cfg.eval.max_new_tokens, cfg.eval.instruction) == (9, "")
+
+
+def test_batch_shape_is_derived_once_for_a_world_size():
+    cfg = load_config("qwen_math")  # 128 prompts x 8, mini-batches of 512, micro-batches of 8
+    sh = cfg.shape(8)
+    assert (sh.prompts, sh.rollouts, sh.mini, sh.micro, sh.minis, sh.updates, sh.micro_per_mini) == \
+        (16, 128, 64, 8, 2, 2, 8)
+    with pytest.raises(ConfigError, match="rollout.prompts_per_step=128 must be divisible by the 3 ranks"):
+        cfg.shape(3)
 
 
 def test_dotted_overrides_reach_every_section():
@@ -114,7 +151,10 @@ def test_print_config_describes_fields_in_comments(capsys):
     out = capsys.readouterr().out
     rows = out.splitlines()
     at = rows.index("  eps_hi_max: 0.005")
-    assert rows[at - 1] == "  # Largest upper bound of the adaptive rule, reached at c = 1 (eq. 8)."
+    above = []
+    while rows[at - 1 - len(above)].startswith("  # "):
+        above.insert(0, rows[at - 1 - len(above)].removeprefix("  # "))
+    assert " ".join(above) == AlgorithmConfig.model_fields["eps_hi_max"].description
     assert "  # Dr.GRPO's constant normaliser (tokens per sequence); null = rollout.max_new_tokens." in rows
     assert resolve(yaml.safe_load(out)) == load_config("tiny_cpu")
 
@@ -127,7 +167,8 @@ def test_help_lists_the_described_fields(capsys):
     out = capsys.readouterr().out
     assert e.value.code == 0 and "--verbose" in out
     at = out.index("\n  algorithm.eps_hi_max\n")
-    assert out[at:].split("\n")[2].strip() == "Largest upper bound of the adaptive rule, reached at c = 1 (eq. 8)."
+    text = out[at:].split("\n  algorithm.eps_hi_max\n", 1)[1].split("\n  algorithm.")[0]
+    assert " ".join(text.split()) == AlgorithmConfig.model_fields["eps_hi_max"].description
     assert "\n  eval.protocol.table\n" in out
 
 

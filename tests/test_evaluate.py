@@ -165,7 +165,8 @@ def test_validation_during_training(two_runs):
 
 
 def test_plots_from_two_real_runs(two_runs, tmp_path):
-    from gapo.plot import build_figures, load_run, main
+    from gapo.figures import load_run
+    from gapo.plot import build_figures, main
 
     out = tmp_path / "plots"
     assert main([str(two_runs[0]), str(two_runs[1]), "--out", str(out)]) == 0

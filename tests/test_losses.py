@@ -21,6 +21,7 @@ from gapo.trainer.losses import (
     policy_loss,
     update_metrics,
 )
+from gapo.trainer.step_metrics import RankStep
 
 # ---------------------------------------------------------------- eq. 8
 
@@ -119,11 +120,10 @@ def _logp(logits, tokens):
     return torch.log_softmax(logits, -1).gather(-1, tokens[..., None]).squeeze(-1)
 
 
-def _algo(is_level="sequence", clip="fixed", eps_lo=0.2, eps_hi=0.28, eps_hi_max=None, loss_agg="token_mean",
-          kl_coef=0.0):
-    return AlgorithmConfig(is_level=is_level, clip=clip, eps_lo=eps_lo, eps_hi=eps_hi,
-                           eps_hi_max=eps_hi if eps_hi_max is None else eps_hi_max, loss_agg=loss_agg,
-                           kl_coef=kl_coef)
+def _algo(is_level="sequence", clip="fixed", eps_lo=0.2, upper=0.28, loss_agg="token_mean", kl_coef=0.0):
+    """A resolved algorithm; `upper` is the rule's upper width (eps_hi_max when adaptive, else eps_hi)."""
+    bound = {"eps_hi_max": upper} if clip == "adaptive" else {"eps_hi": upper}
+    return AlgorithmConfig(is_level=is_level, clip=clip, eps_lo=eps_lo, loss_agg=loss_agg, kl_coef=kl_coef, **bound)
 
 
 def _mb(mask, old_logp, adv, c, k, ref_logp=None):
@@ -257,9 +257,11 @@ def test_overflowing_log_ratio_stays_finite():
 
 def test_clip_rule_picks_each_rollouts_upper_bound():
     c, k = torch.tensor([0, 1, 2, 3, 4]), torch.tensor([4] * 5)
-    adaptive = clip_high(c, k, _algo(clip="adaptive", eps_lo=0.2, eps_hi=0.28))
+    adaptive = clip_high(c, k, _algo(clip="adaptive", eps_lo=0.2, upper=0.28))
     assert torch.equal(adaptive, gapo_clip_high(c, k, 0.2, 0.28))  # eq. 8, per rollout
-    assert clip_high(c, k, _algo(clip="fixed", eps_lo=0.2, eps_hi=0.25, eps_hi_max=0.3)).tolist() == [0.25] * 5
+    assert clip_high(c, k, _algo(clip="fixed", eps_lo=0.2, upper=0.25)).tolist() == [0.25] * 5
+    with pytest.raises(ValueError, match="the fixed rule .* has no such bound; its upper bound is algorithm.eps_hi"):
+        AlgorithmConfig(clip="fixed", eps_lo=0.2, eps_hi=0.25, eps_hi_max=0.3)  # one shape per rule
     assert clip_high(c, k, _algo("token", "cispo", 1.0, 4.0)).tolist() == [4.0] * 5  # CISPO's weight cap
 
 
@@ -363,7 +365,7 @@ OFF_RATIOS = {0: [1.3, 0.9, 0.7, 1.0],  # c = 1: correct 1.3 > 1.28 clips high; 
 REWARDS = {0: [1.0, 0.0, 0.0, 0.0], 1: [1.0, 1.0, 0.0, 0.0]}
 
 
-def _rank_part(rank: int, groups_off_policy: list[bool], results: list[RewardResult] | None = None) -> dict:
+def _rank_part(rank: int, groups_off_policy: list[bool], results: list[RewardResult] | None = None) -> RankStep:
     """What one rank's loop gathers for a step: per micro-batch stats from a real loss evaluation."""
     g = torch.Generator().manual_seed(rank)
     rewards = torch.tensor(REWARDS[rank] * len(groups_off_policy))
@@ -381,11 +383,10 @@ def _rank_part(rank: int, groups_off_policy: list[bool], results: list[RewardRes
         stats.append(st)
         off.append(torch.full((4,), moved))
     n = len(rewards)
-    return {"stats": RolloutStats.cat(stats), "off_policy": torch.cat(off), "rewards": rewards, "c": ga.c,
-            "k": ga.k, "reward_counts": status_counts(results or [RewardResult.of("correct")] * n), "len": [4] * n,
-            "trunc": [False] * n, "mismatch": torch.zeros(0),
-            "entropy_sum": 0.0, "kl_ref_sum": 0.0, "first_dev": torch.zeros(1), "skipped": 0, "tokens": 18.0 * n,
-            "timings": {"generate": 1.0, "train": 1.0}}
+    return RankStep(stats=RolloutStats.cat(stats), off_policy=torch.cat(off), rewards=rewards, c=ga.c, k=ga.k,
+                    reward_counts=status_counts(results or [RewardResult.of("correct")] * n), lengths=[4] * n,
+                    truncated=[False] * n, mismatch=torch.zeros(0), entropy_sum=0.0, kl_ref_sum=0.0,
+                    first_dev=torch.zeros(1), skipped=0, tokens=18.0 * n, timings={"generate": 1.0, "train": 1.0})
 
 
 def test_clip_metrics_count_only_off_policy_updates():
@@ -434,10 +435,23 @@ def test_reward_statuses_and_flags_reach_the_step_metrics():
     parts = [_rank_part(0, [False, True], rank0), _rank_part(1, [False, True], rank1)]
     m = step_metrics(parts, "sequence", 1.0, 1e-6, 1.0)
     assert m["reward/unisolated_frac"] == 4 / 16
-    assert (m["reward/correct_frac"], m["reward/wrong_frac"], m["reward/timeout_frac"], m["reward/error_frac"],
-            m["reward/no_answer_frac"]) == (3 / 16, 8 / 16, 4 / 16, 1 / 16, 0.0)
+    assert (m["reward/wrong_frac"], m["reward/timeout_frac"], m["reward/error_frac"], m["reward/no_answer_frac"]) == \
+        (8 / 16, 4 / 16, 1 / 16, 0.0)
+    # "correct" is one definition, the one c counts: reward >= correct_threshold (rewards 1 of 4, then 2 of 4)
+    assert m["reward/correct_frac"] == 6 / 16
     assert "reward/gold_text_only_frac" not in m  # a flag nobody raised is not a metric
     assert "reward/unisolated_frac" not in step_metrics(parts[1:], "sequence", 1.0, 1e-6, 1.0)
+
+
+def test_correct_frac_follows_the_threshold_that_defines_c():
+    """With partial rewards and a threshold below 1, correct_frac counts what c counts, whatever the statuses."""
+    from gapo.trainer.step_metrics import step_metrics
+
+    part = _rank_part(0, [False])
+    part.rewards = torch.tensor([0.6, 0.4, 1.0, 0.0])
+    part.reward_counts = status_counts([RewardResult.of("wrong")] * 4)
+    assert step_metrics([part], "sequence", 1.0, 1e-6, 0.5)["reward/correct_frac"] == 2 / 4
+    assert step_metrics([part], "sequence", 1.0, 1e-6, 1.0)["reward/correct_frac"] == 1 / 4
 
 
 def test_update_metrics_on_token_units():

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gapo.plot import PlotError, build_figures, clip_totals, fmt_eps, load_run, main, parse_steps
+from gapo.config import fmt_eps
+from gapo.figures import PlotError, clip_totals, load_run, parse_steps
+from gapo.plot import build_figures, main
 
 PNG_SIG = b"\x89PNG\r\n\x1a\n"
 ALL_PNGS = ("clip_by_c.png", "clip_vs_c.png", "is_adv_corr.png", "val_pass.png", "coverage.png", "training.png")

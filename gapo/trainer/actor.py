@@ -47,7 +47,7 @@ class Policy(torch.nn.Module):
 
 
 class Actor:
-    def __init__(self, cfg: Config, model_dir: str, *, steps_per_rollout: int, micro_per_step: int):
+    def __init__(self, cfg: Config, model_dir: str):
         import deepspeed
         from transformers import AutoModelForCausalLM
         from transformers.integrations import HfDeepSpeedConfig
@@ -55,6 +55,7 @@ class Actor:
         t = cfg.trainer
         self.cfg = cfg
         self.world = dist.get_world_size()
+        shape = cfg.shape(self.world)  # micro-batches per optimizer step, optimizer steps per rollout batch
         bf16 = cfg.model.dtype == "bfloat16"
         # ZeRO partitions weights, gradients and optimizer state across data-parallel ranks; with one rank there
         # is nothing to partition, and stage 3 there only adds its gather/release hooks and flat copies:
@@ -67,8 +68,8 @@ class Actor:
                      t.zero_stage, self.zero_stage)
         ds_config = {
             "train_micro_batch_size_per_gpu": t.micro_batch_size,
-            "gradient_accumulation_steps": micro_per_step,
-            "train_batch_size": t.micro_batch_size * micro_per_step * self.world,
+            "gradient_accumulation_steps": shape.micro_per_mini,
+            "train_batch_size": t.micro_batch_size * shape.micro_per_mini * self.world,
             "gradient_clipping": t.grad_clip,
             "bf16": {"enabled": bf16},
             "zero_optimization": {"stage": self.zero_stage},  # small params (norms) stay whole: fewer gathers
@@ -94,8 +95,8 @@ class Actor:
         adamw_step = torch.optim.AdamW.step
         optimizer.step = types.MethodType(
             lambda opt, *args, **kwargs: None if self._skip else adamw_step(opt, *args, **kwargs), optimizer)
-        total = t.total_steps * steps_per_rollout
-        warm = t.warmup_steps * steps_per_rollout
+        total = t.total_steps * shape.updates
+        warm = t.warmup_steps * shape.updates
 
         def lr_factor(step: int) -> float:
             if step < warm:

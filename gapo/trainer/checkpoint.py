@@ -36,7 +36,6 @@ from gapo.config import Config, ConfigError, dump_config, resolve
 
 log = logging.getLogger("gapo.checkpoint")
 
-LATEST = "latest"
 # What may differ between a checkpoint's config and the run that resumes it. Anything else (the model,
 # the data, group size, batch shapes, optimizer settings held in the optimizer state) is refused.
 MAY_CHANGE = ("algorithm.", "trainer.resume_from", "trainer.total_steps", "trainer.output_dir", "trainer.save_every",
@@ -79,7 +78,7 @@ def save(actor, tokenizer, cfg: Config, state: TrainerState, run_dir: Path) -> P
     """Collective: every rank calls it. Returns the checkpoint directory."""
     rank = dist.get_rank()
     root = run_dir / rundir.CHECKPOINTS
-    name = f"step_{state.step:06d}"
+    name = rundir.step_name(state.step)
     tmp, final = root / f".tmp-{name}", root / name
     if rank == 0:
         if tmp.exists():
@@ -95,7 +94,7 @@ def save(actor, tokenizer, cfg: Config, state: TrainerState, run_dir: Path) -> P
     if rank == 0:
         actor.module.save_pretrained(tmp / "hf", state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(tmp / "hf")
-        (tmp / "trainer.json").write_text(json.dumps(asdict(state), indent=1))
+        (tmp / rundir.STATE).write_text(json.dumps(asdict(state), indent=1))
         (tmp / rundir.CONFIG).write_text(dump_config(cfg))
     dist.barrier()
     if rank == 0:
@@ -105,7 +104,7 @@ def save(actor, tokenizer, cfg: Config, state: TrainerState, run_dir: Path) -> P
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _write_atomic(root / LATEST, name)
+        _write_atomic(root / rundir.LATEST, name)
         _prune(root, cfg.trainer.keep_last)
     dist.barrier()
     return final
@@ -117,26 +116,9 @@ def _prune(root: Path, keep: int) -> None:
         shutil.rmtree(old)
 
 
-def find(path: str | Path) -> Path:
-    """A run directory (-> its latest complete checkpoint) or a checkpoint directory."""
-    p = Path(path)
-    if (p / "trainer.json").is_file():
-        return p
-    latest = p / rundir.CHECKPOINTS / LATEST
-    if latest.is_file():
-        ckpt = p / rundir.CHECKPOINTS / latest.read_text().strip()
-        if not (ckpt / "trainer.json").is_file():
-            raise ConfigError(f"--resume {path}: {latest} names {ckpt.name}, which is missing or incomplete")
-        return ckpt
-    if p.is_dir() and (p / rundir.CHECKPOINTS).is_dir():
-        raise ConfigError(f"--resume {path}: no complete checkpoint in {p / rundir.CHECKPOINTS} (no 'latest' file)")
-    raise ConfigError(f"--resume {path}: not a run directory with checkpoints, nor a checkpoint directory "
-                      "(one holding trainer.json)")
-
-
 def read(ckpt: Path) -> tuple[TrainerState, Config]:
     try:
-        state = TrainerState(**json.loads((ckpt / "trainer.json").read_text()))
+        state = TrainerState(**json.loads((ckpt / rundir.STATE).read_text()))
         saved = resolve(yaml.safe_load((ckpt / rundir.CONFIG).read_text()))
     except (OSError, ValueError, TypeError) as err:
         raise ConfigError(f"checkpoint {ckpt}: cannot read trainer.json / config.yaml ({err})") from None
@@ -172,6 +154,7 @@ def check_compatible(saved: Config, cfg: Config, state: TrainerState, world: int
 class Start(NamedTuple):
     """How a run begins: fresh (ckpt None), going on from its own checkpoint, or branching from another run's."""
 
+    run_dir: Path  # where this run writes: trainer.output_dir, or a branch's own directory next to its parent
     ckpt: Path | None
     state: TrainerState | None
     parent: dict | None  # the run branched from: a new branch's, or the one its own checkpoint records
@@ -180,29 +163,27 @@ class Start(NamedTuple):
 
 def resume_or_branch(cfg: Config, world: int, rank: int) -> Start:
     """Decided before anything is built, so that a bad checkpoint fails in seconds. Changing the algorithm
-    while resuming into the parent's own directory branches: cfg.trainer.output_dir is rewritten to a new
-    run next to the parent, whose log stays as it was. A fresh run or a branch refuses a directory that
-    already holds a run."""
+    while resuming into the parent's own directory branches: the run goes to a new directory next to the
+    parent, whose log stays as it was. A fresh run or a branch refuses a directory that already holds a run."""
+    run_dir = Path(cfg.trainer.output_dir)
     ckpt, state, parent, branched = None, None, None, False
     if cfg.trainer.resume_from:
-        ckpt = find(cfg.trainer.resume_from)
+        ckpt = rundir.find(cfg.trainer.resume_from)
         state, saved = read(ckpt)
         changed = check_compatible(saved, cfg, state, world)
-        parent_dir = ckpt.parent.parent
-        if any(k.startswith("algorithm.") for k in changed) and \
-                Path(cfg.trainer.output_dir).resolve() == parent_dir.resolve():
-            cfg.trainer.output_dir = f"{parent_dir}-{cfg.algorithm.name}-from-step{state.step}"
-        branched = Path(cfg.trainer.output_dir).resolve() != parent_dir.resolve()
+        parent_dir = rundir.run_of(ckpt)
+        if any(k.startswith("algorithm.") for k in changed) and run_dir.resolve() == parent_dir.resolve():
+            run_dir = Path(f"{parent_dir}-{cfg.algorithm.name}-from-step{state.step}")
+        branched = run_dir.resolve() != parent_dir.resolve()
         parent = {"run_dir": str(parent_dir), "step": state.step, "algorithm": saved.algorithm.name,
                   "wandb_id": state.wandb_id} if branched else state.parent
         if rank == 0:
             log.info("resuming from %s (step %d)%s; changed: %s", ckpt, state.step,
-                     f", branching into {cfg.trainer.output_dir}" if branched else "", ", ".join(changed) or "-")
-    run_dir = Path(cfg.trainer.output_dir)
+                     f", branching into {run_dir}" if branched else "", ", ".join(changed) or "-")
     if (state is None or branched) and ((run_dir / rundir.METRICS).exists() or (run_dir / rundir.CHECKPOINTS).exists()):
         raise ConfigError(f"trainer.output_dir={run_dir} already holds a run: continue it with --resume {run_dir}, "
                           "or choose another output_dir")
-    return Start(ckpt, state, parent, branched)
+    return Start(run_dir, ckpt, state, parent, branched)
 
 
 def load(actor, ckpt: Path) -> None:

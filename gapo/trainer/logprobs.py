@@ -1,7 +1,8 @@
 """Response log-probs of a packed micro-batch: the one computation behind the old-log-prob pass and the update.
 
-Pure torch (no DeepSpeed, vLLM or pydantic): the micro-batch record and its packing (shared prompts, token
-budget), and the chunked log-prob kernel the actor's DeepSpeed engine runs as its forward.
+Pure torch (no DeepSpeed, vLLM or pydantic): the micro-batch record and the packing of a step's rollouts into it
+(mini-batches, micro-batches by count or token budget, shared prompts), and the chunked log-prob kernel the actor's
+DeepSpeed engine runs as its forward.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
+
+from gapo.rollout.types import Rollout
 
 # Response tokens per vocab projection. The full [tokens, vocab] fp32 logits of a step never exist at
 # once: each chunk's logits are recomputed in backward (checkpoint) instead of being kept for it.
@@ -145,6 +148,26 @@ def micro_batch_rows(lengths: list[int], max_rows: int, max_tokens: int | None, 
         half = len(bins[j]) // 2
         bins[j:j + 1] = [bins[j][:half], bins[j][half:]]
     return bins
+
+
+def pack_step(rollouts: list[Rollout], adv: Tensor, c: Tensor, k: Tensor, keep: Tensor, *, mini: int, micro: int,
+              max_tokens: int | None, pad_id: int, share_prompts: bool, device: torch.device) -> list[list[MicroBatch]]:
+    """A rank's rollouts of one step as mini-batches (one optimizer step each, `mini` rollouts) of micro-batches.
+
+    adv, c, k, keep: [N], one per rollout. Micro-batches by count (`micro` rollouts) or by token budget; every rank
+    runs the largest count any rank needs for each mini-batch, since each forward is a collective under ZeRO-3.
+    Each micro-batch carries what the loss needs of its rollouts, and is moved once to `device`."""
+    lengths = [len(x.prompt_ids) + len(x.response_ids) for x in rollouts]
+    starts = range(0, len(rollouts), mini)
+    counts = torch.tensor([len(micro_batch_rows(lengths[m0:m0 + mini], micro, max_tokens)) for m0 in starts],
+                          device=device)  # NCCL reduces device tensors only
+    dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+    bins = [[torch.tensor(b) + m0 for b in micro_batch_rows(lengths[m0:m0 + mini], micro, max_tokens, n)]
+            for m0, n in zip(starts, counts.tolist(), strict=True)]  # rollout indices per micro-batch
+    return [[MicroBatch.pack([rollouts[j].prompt_ids for j in b], [rollouts[j].response_ids for j in b], pad_id,
+                             share_prompts=share_prompts, keep=keep[b], index=b, adv=adv[b], c=c[b], k=k[b],
+                             engine_logp=[rollouts[j].logprobs for j in b]).to(device)
+             for b in bins_of_mini] for bins_of_mini in bins]
 
 
 def _decode(base: torch.nn.Module, mb: MicroBatch) -> tuple[Tensor, Tensor]:

@@ -13,7 +13,9 @@ from __future__ import annotations
 import logging
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -23,19 +25,19 @@ from tqdm import tqdm
 
 from gapo import console, rundir
 from gapo.config import Config, ConfigError
-from gapo.data import Sampler, load_training_set, stop_token_ids, tokenize_problems
+from gapo.data import Problem, Sampler, load_training_set, stop_token_ids, tokenize_problems
 from gapo.distributed import gather, init_distributed
 from gapo.evaluate import evaluate, load_benchmark, summary, write_results
 from gapo.memory import plan_text
 from gapo.models import check_context_budget, resolve_model
 from gapo.reward.registry import score_groups
 from gapo.reward.types import status_counts
-from gapo.rollout.engine import build_engine
+from gapo.rollout.engine import Engine, build_engine
 from gapo.rollout.types import Rollout, SamplingConfig
 from gapo.tracking import Tracker
 from gapo.trainer import checkpoint
 from gapo.trainer.actor import Actor
-from gapo.trainer.logprobs import MicroBatch, micro_batch_rows
+from gapo.trainer.logprobs import MicroBatch, pack_step
 from gapo.trainer.losses import (
     RolloutStats,
     StepNorm,
@@ -44,7 +46,7 @@ from gapo.trainer.losses import (
     kl_penalty,
     policy_loss,
 )
-from gapo.trainer.step_metrics import step_metrics
+from gapo.trainer.step_metrics import RankStep, step_metrics
 
 log = logging.getLogger("gapo.train")
 
@@ -58,34 +60,38 @@ def request_seed(seed: int, step: int, prompt_index: int) -> int:
     return int(np.random.SeedSequence([seed, step, prompt_index]).generate_state(1)[0] & 0x7FFFFFFF)
 
 
-def check_shapes(cfg: Config, world: int) -> tuple[int, int]:
-    """Prompts per rank and micro-batches per optimizer step per rank; clear errors for splits that
-    do not divide (ZeRO-3 needs every rank to run the same number of forwards)."""
-    r, t = cfg.rollout, cfg.trainer
-    if r.prompts_per_step % world:
-        raise ConfigError(f"rollout.prompts_per_step={r.prompts_per_step} must be divisible by the {world} ranks")
-    if t.ppo_mini_batch_size % (world * t.micro_batch_size):
-        raise ConfigError(f"trainer.ppo_mini_batch_size={t.ppo_mini_batch_size} must be divisible by "
-                         f"ranks x trainer.micro_batch_size = {world} x {t.micro_batch_size}")
-    return r.prompts_per_step // world, t.ppo_mini_batch_size // world // t.micro_batch_size
+@dataclass
+class Setup:
+    """What the step loop works with, built once before its first step (or restored from a checkpoint)."""
+
+    cfg: Config  # as it runs: trainer.output_dir is the run's directory (a branch's own, when it branches)
+    run_dir: Path
+    first_step: int
+    parent: dict | None  # the run this one branched from
+    tokenizer: Any
+    problems: list[Problem]
+    prompt_ids: list[list[int]]
+    sampler: Sampler
+    benches: list[tuple[str, str, list[Problem]]]  # validation: (name, kind, tokenisable problems)
+    engine: Engine
+    actor: Actor
+    tracker: Tracker | None  # rank 0 only
+    wandb_id: str | None
 
 
-def train(cfg: Config) -> Path:
-    rank, world = init_distributed()
-    prompts_per_rank, micro_per_step = check_shapes(cfg, world)
-    random.seed(cfg.trainer.seed + rank)
-    np.random.seed(cfg.trainer.seed + rank)
-    torch.manual_seed(cfg.trainer.seed + rank)
-
-    # --- resume / branch (may move output_dir): decided before anything is built -----------------
-    ckpt, state, parent, branched = checkpoint.resume_or_branch(cfg, world, rank)
-    t, r, a = cfg.trainer, cfg.rollout, cfg.algorithm
-    run_dir = Path(t.output_dir)
+def setup(cfg: Config, rank: int, world: int) -> Setup:
+    """Resume or branch, memory plan, model, data, engine, actor and tracker, in this order (the engine reseeds
+    the global RNGs when it is built, so the order is part of a run's determinism)."""
+    # Resume / branch (may name another run directory): decided before anything is built.
+    start = checkpoint.resume_or_branch(cfg, world, rank)
+    run_dir = start.run_dir
+    cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"output_dir": str(run_dir)})})
+    t, r, d, ev = cfg.trainer, cfg.rollout, cfg.data, cfg.eval
     console.attach(run_dir)  # before the engine starts, so that its processes write to this run's train.log
     if rank == 0:
         console.say(console.run_header(cfg, run_dir, world))
 
-    # --- memory plan: from config.json alone, so a run that cannot fit stops before anything loads ---------
+    # Memory plan: from config.json alone, so a run that cannot fit stops before anything loads.
     device_gb = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30 \
         if torch.cuda.is_available() else None
     plan, fits = plan_text(cfg, world, device_gb)
@@ -99,229 +105,255 @@ def train(cfg: Config) -> Path:
         if device_gb:
             log.info("%s", plan)
 
-    # --- model, data, engine, actor ---------------------------------------------------------------
-    # Every rank resolves: a file lock in gapo.models lets one process per filesystem build or download
-    # while the others wait on it, with no barrier that a long download could time out. (datasets locks
-    # its own cache the same way.)
+    # Model and data. Every rank resolves: a file lock in gapo.models lets one process per filesystem build or
+    # download while the others wait on it, with no barrier that a long download could time out.
     model_dir = str(resolve_model(cfg.model.path))
     check_context_budget(cfg, cfg.model.path)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    d = cfg.data
-    problems = load_training_set(d)
-    problems, prompt_ids = tokenize_problems(tokenizer, problems, d.instruction, d.max_prompt_tokens)
+    problems, prompt_ids = tokenize_problems(tokenizer, load_training_set(d), d.instruction, d.max_prompt_tokens)
     sampler = Sampler(len(problems), seed=t.seed)
-    ev = cfg.eval
     train_questions = {p.question for p in problems}  # the held-out arithmetic set avoids all of them
     benches = [load_benchmark(b, ev.limit, exclude=train_questions, levels=d.arithmetic_levels)
                for b in ev.benchmarks]
-    val_instruction = ev.instruction if ev.instruction is not None else d.instruction
-    benches = [(name, kind, tokenize_problems(tokenizer, probs, val_instruction, d.max_prompt_tokens, name)[0])
+    benches = [(name, kind, tokenize_problems(tokenizer, probs, ev.instruction, d.max_prompt_tokens, name)[0])
                for name, kind, probs in benches]
-    max_new = max(r.max_new_tokens, ev.max_new_tokens or 0)
-    # After init_distributed: vLLM joins the world group.
+
+    # Engine (after init_distributed: vLLM joins the world group), then the actor.
     engine = build_engine(r.engine, model_dir, dtype=cfg.model.dtype, seed=t.seed + rank,
-                          max_model_len=d.max_prompt_tokens + max_new,
+                          max_model_len=d.max_prompt_tokens + max(r.max_new_tokens, ev.max_new_tokens),
                           gpu_memory_utilization=r.gpu_memory_utilization, kv_cache_gb=r.kv_cache_gb,
                           sleep_mode=r.sleep_between_steps, enforce_eager=r.enforce_eager)
-    rollouts_per_rank = prompts_per_rank * r.group_size
-    mini_per_rank = t.ppo_mini_batch_size // world
-    steps_per_rollout = t.ppo_epochs * (rollouts_per_rank // mini_per_rank)
-    actor = Actor(cfg, model_dir, steps_per_rollout=steps_per_rollout, micro_per_step=micro_per_step)
-    start = 1
-    if ckpt is not None:
-        checkpoint.load(actor, ckpt)  # model, optimizer, scheduler, this rank's RNG states
-        sampler.load_state_dict(state.sampler)
-        start = state.step + 1
+    actor = Actor(cfg, model_dir)
+    if start.ckpt is not None:
+        checkpoint.load(actor, start.ckpt)  # model, optimizer, scheduler, this rank's RNG states
+        sampler.load_state_dict(start.state.sampler)
         engine.push_weights(actor.gathered_weights())
+
     tracker = None
     if rank == 0:
-        if state and not branched:  # the same run goes on: same wandb run, log cut back to the checkpoint
-            checkpoint.truncate_metrics(run_dir, state.step)
+        going_on = start.state is not None and not start.branched
+        if going_on:  # the same run goes on: same wandb run, log cut back to the checkpoint
+            checkpoint.truncate_metrics(run_dir, start.state.step)
         # A branch is a new wandb run whose config links its parent.
-        tracker = Tracker(cfg, run_dir, wandb_id=state.wandb_id if state and not branched else None, parent=parent)
+        tracker = Tracker(cfg, run_dir, wandb_id=start.state.wandb_id if going_on else None, parent=start.parent)
     wandb_id = gather(tracker.wandb_id if tracker else None)[0]
+    return Setup(cfg=cfg, run_dir=run_dir, first_step=start.state.step + 1 if start.state else 1, parent=start.parent,
+                 tokenizer=tokenizer, problems=problems, prompt_ids=prompt_ids, sampler=sampler, benches=benches,
+                 engine=engine, actor=actor, tracker=tracker, wandb_id=wandb_id)
+
+
+def train(cfg: Config) -> Path:
+    rank, world = init_distributed()
+    shape = cfg.shape(world)
+    random.seed(cfg.trainer.seed + rank)
+    np.random.seed(cfg.trainer.seed + rank)
+    torch.manual_seed(cfg.trainer.seed + rank)
+    s = setup(cfg, rank, world)
+    cfg, run_dir, engine, actor, tracker = s.cfg, s.run_dir, s.engine, s.actor, s.tracker
+    t, r, a, ev = cfg.trainer, cfg.rollout, cfg.algorithm, cfg.eval
+    pad_id = s.tokenizer.pad_token_id if s.tokenizer.pad_token_id is not None else s.tokenizer.eos_token_id
     sampling = SamplingConfig(n=r.group_size, temperature=r.temperature, top_p=r.top_p,
-                              max_new_tokens=r.max_new_tokens, stop_token_ids=stop_token_ids(tokenizer))
+                              max_new_tokens=r.max_new_tokens, stop_token_ids=stop_token_ids(s.tokenizer))
     # Sharing prompts needs the KV cache, which transformers drops under gradient checkpointing in training;
     # both passes over a micro-batch must take the same path (see actor._decode), so it is decided here.
     share_prompts = t.share_prompts and not cfg.model.gradient_checkpointing
+    val_history: list[tuple[int, dict]] = []
 
     def validate(step: int) -> None:
         """Same code path as gapo-eval; per-problem solve rates go to val/step_N.jsonl for coverage plots."""
-        results = evaluate(engine, tokenizer, benches, n=ev.n, temperature=ev.temperature, top_p=ev.top_p,
-                           max_new_tokens=ev.max_new_tokens or r.max_new_tokens, reward=cfg.reward,
-                           instruction=val_instruction,
+        results = evaluate(engine, s.tokenizer, s.benches, n=ev.n, temperature=ev.temperature, top_p=ev.top_p,
+                           max_new_tokens=ev.max_new_tokens, reward=cfg.reward, instruction=ev.instruction,
                            seed=t.seed, progress=False)
         if rank == 0:
             m = summary(results, ev.coverage_threshold)
             val_history.append((step, m))
             tracker.log(step, m)
-            write_results(results, run_dir / rundir.VAL / f"step_{step:06d}", {"step": step})
+            write_results(results, run_dir / rundir.VAL / rundir.step_name(step), {"step": step})
             console.say(f"validation at step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in m.items()
                                                                       if k.startswith("val/mean/")))
 
-    val_history: list[tuple[int, dict]] = []
-    if benches and start == 1:
+    if s.benches and s.first_step == 1:
         validate(0)
     skipped_in_a_row = 0
-
-    for step in tqdm(range(start, t.total_steps + 1), desc="steps", disable=rank != 0, initial=start - 1,
-                     total=t.total_steps, file=console.terminal()):
+    for step in tqdm(range(s.first_step, t.total_steps + 1), desc="steps", disable=rank != 0,
+                     initial=s.first_step - 1, total=t.total_steps, file=console.terminal()):
         timings: dict[str, float] = {}
         step_tic = time.perf_counter()
-        # --- 1. prompts: the same global draw on every rank, each rank takes its contiguous shard ----
-        batch = sampler.next(r.prompts_per_step)
-        mine = list(range(rank * prompts_per_rank, (rank + 1) * prompts_per_rank))
+        # --- 1. prompts (the same global draw on every rank, each takes its contiguous shard) -> rollouts ------
+        batch = s.sampler.next(r.prompts_per_step)
+        mine = list(range(rank * shape.prompts, (rank + 1) * shape.prompts))
         tic = time.perf_counter()
-        groups: list[list[Rollout]] = engine.generate([prompt_ids[batch[j]] for j in mine], sampling,
+        groups: list[list[Rollout]] = engine.generate([s.prompt_ids[batch[j]] for j in mine], sampling,
                                                       seeds=[request_seed(t.seed, step, j) for j in mine])
         timings["generate"] = time.perf_counter() - tic
         if r.sleep_between_steps:
             engine.sleep()
 
-        # --- 2. rewards and advantages ------------------------------------------------------------
+        # --- 2. rewards and advantages --------------------------------------------------------------------------
         tic = time.perf_counter()
-        results = score_groups(d.type, [[x.text for x in g] for g in groups], [problems[batch[j]] for j in mine],
-                               cfg.reward)
+        results = score_groups(cfg.data.type, [[x.text for x in g] for g in groups],
+                               [s.problems[batch[j]] for j in mine], cfg.reward)
         timings["reward"] = time.perf_counter() - tic
         rollouts = [x for g in groups for x in g]
         flat_results = [res for g in results for res in g]
         rewards = torch.tensor([res.reward for res in flat_results])
         ga = group_advantages(rewards, [r.group_size] * len(groups), std_normalize=a.std_normalize,
                               focal_gamma=a.focal_gamma, correct_threshold=a.correct_threshold)
-        # Rollouts left out of the loss keep their place (every rank must run the same forwards under
-        # ZeRO-3); they just get no tokens in the mask, the normaliser or the metrics.
+        # Rollouts left out of the loss keep their place (every rank must run the same forwards under ZeRO-3);
+        # they just get no tokens in the mask, the normaliser or the metrics.
         keep = torch.ones(len(rollouts), dtype=torch.bool)
         if r.filter_uniform_groups:
             keep &= (ga.c > 0) & (ga.c < ga.k)
         if r.mask_truncated:
             keep &= torch.tensor([not x.truncated for x in rollouts])
 
-        # --- 3. old log-probs (and entropy, engine/trainer mismatch) ------------------------------
+        # --- 3. micro-batches, old log-probs (and entropy, engine/trainer mismatch) ------------------------------
         tic = time.perf_counter()
-        # Micro-batches per mini-batch, by count or by token budget; every rank runs the largest count any rank
-        # needs, since each forward is a collective under ZeRO-3. Each carries what the loss needs of its rollouts.
-        lengths = [len(x.prompt_ids) + len(x.response_ids) for x in rollouts]
-        starts = range(0, len(rollouts), mini_per_rank)
-        counts = torch.tensor([len(micro_batch_rows(lengths[m0:m0 + mini_per_rank], t.micro_batch_size,
-                                                    t.max_tokens_per_micro_batch)) for m0 in starts],
-                              device=actor.device)  # NCCL reduces device tensors only
-        dist.all_reduce(counts, op=dist.ReduceOp.MAX)
-        bins = [[torch.tensor(b) + m0 for b in micro_batch_rows(lengths[m0:m0 + mini_per_rank], t.micro_batch_size,
-                                                                t.max_tokens_per_micro_batch, n)]
-                for m0, n in zip(starts, counts.tolist(), strict=True)]  # rollout indices per micro-batch
-        minis = [[MicroBatch.pack([rollouts[j].prompt_ids for j in b], [rollouts[j].response_ids for j in b], pad_id,
-                                  share_prompts=share_prompts, keep=keep[b], index=b, adv=ga.adv[b], c=ga.c[b],
-                                  k=ga.k[b], engine_logp=[rollouts[j].logprobs for j in b]).to(actor.device)
-                  for b in mini] for mini in bins]
-        mbs = [mb for mini in minis for mb in mini]
-        entropy_sum, kl_ref_sum, mismatch = 0.0, 0.0, []
-        actor.engine.train()  # one mode for both passes: the update must recompute exactly these old log-probs
-        with torch.no_grad():
-            for mb in mbs:
-                m = mb.resp_mask.bool()
-                if r.use_engine_logprobs:  # no trainer pass: old = engine; mismatch comes from the first update
-                    mb.old_logp = mb.engine_logp
-                    entropy_sum -= float(mb.old_logp[m].sum())
-                else:
-                    mb.old_logp, ent = actor.engine(mb, r.temperature, entropy=True)
-                    mismatch.append((mb.old_logp - mb.engine_logp)[m].cpu())
-                    entropy_sum += float(ent[m].sum())
-                if a.kl_coef > 0:
-                    mb.ref_logp = actor.ref_engine(mb, r.temperature)[0]
-                    kl_ref_sum += float(kl_penalty(mb.old_logp, mb.ref_logp, mb.resp_mask, StepNorm(1.0, 1.0)))
+        minis = pack_step(rollouts, ga.adv, ga.c, ga.k, keep, mini=shape.mini, micro=shape.micro,
+                          max_tokens=t.max_tokens_per_micro_batch, pad_id=pad_id, share_prompts=share_prompts,
+                          device=actor.device)
+        old = old_logprobs(actor, [mb for mini in minis for mb in mini], cfg)
         timings["old_logprob"] = time.perf_counter() - tic
 
-        # --- 4. updates: epochs x mini-batches, each an optimizer step over micro-batches ----------
+        # --- 4. updates: epochs x mini-batches, each an optimizer step over its micro-batches ---------------------
         tic = time.perf_counter()
-        stats: list[RolloutStats] = []
-        stat_rows: list[Tensor] = []  # the rollouts each entry of `stats` is about
-        grad_norms: list[float] = []
-        first_dev: list[Tensor] = []  # |log pi - log pi_old| on the step's first mini-batch (pi = pi_old there)
-        off_policy: list[Tensor] = []  # per entry of `stats`: False on that first mini-batch, where nothing can clip
-        skipped = 0
-        for epoch in range(t.ppo_epochs):
-            for mini in minis:
-                on_policy = epoch == 0 and mini is minis[0]  # still the weights that sampled: the IS ratio must be 1
-                tokens = torch.tensor([sum(float(mb.resp_mask.sum()) for mb in mini),
-                                       sum(float(mb.resp_mask.any(-1).sum()) for mb in mini)], device=actor.device)
-                dist.all_reduce(tokens)  # the normaliser is the whole optimizer step's, over all ranks
-                norm = StepNorm(tokens=max(float(tokens[0]), 1.0), seqs=max(float(tokens[1]), 1.0),
-                                constant=a.loss_constant)
-                for i, mb in enumerate(mini):
-                    actor.engine.set_gradient_accumulation_boundary(i == len(mini) - 1)  # counts differ per mini-batch
-                    logp, _ = actor.engine(mb, r.temperature)
-                    if on_policy:
-                        dev = (logp.detach() - mb.old_logp)[mb.resp_mask.bool()].cpu()
-                        first_dev.append(dev.abs())
-                        if r.use_engine_logprobs:
-                            mismatch.append(dev)
-                    loss, st = policy_loss(logp, mb, norm, a)
-                    applied = actor.backward(loss)
-                    stats.append(st)
-                    stat_rows.append(mb.index)
-                    off_policy.append(torch.full((len(mb.index),), not on_policy))
-                if applied:
-                    grad_norms.append(actor.grad_norm())
-                    skipped_in_a_row = 0
-                    continue
-                skipped += 1
-                skipped_in_a_row += 1
-                if rank == 0:
-                    log.warning("step %d: optimizer step skipped (gradient norm %s, last loss %s); weights and "
-                                "optimizer state untouched", step, actor.grad_norm(), float(loss))
-                if skipped_in_a_row >= t.max_skipped_steps:
-                    raise TrainingDiverged(
-                        f"step {step}: {skipped_in_a_row} optimizer steps in a row had a non-finite gradient norm "
-                        f"(trainer.max_skipped_steps={t.max_skipped_steps}); the weights are those of the last "
-                        f"good step. Lower trainer.lr, check model.dtype, or resume from a checkpoint in {run_dir}")
-        grad_norm, lr = float(np.mean(grad_norms)) if grad_norms else float("nan"), actor.lr()
+        up = update(actor, minis, cfg, step, run_dir, skipped_in_a_row)
+        skipped_in_a_row = up.skipped_in_a_row
         timings["train"] = time.perf_counter() - tic
 
-        # --- 5. weight push: gather (collective) and stream into this rank's engine ----------------
+        # --- 5. weight push: gather (collective) and stream into this rank's engine -------------------------------
         tic = time.perf_counter()
         engine.push_weights(actor.gathered_weights())
         timings["weight_push"] = time.perf_counter() - tic
 
-        # --- 6. metrics over all ranks -------------------------------------------------------------
-        local = {"stats": RolloutStats.cat(stats), "rewards": rewards, "c": ga.c, "k": ga.k,
-                 "reward_counts": status_counts(flat_results),
-                 "len": [len(x.response_ids) for x in rollouts], "trunc": [x.truncated for x in rollouts],
-                 "mismatch": torch.cat(mismatch), "entropy_sum": entropy_sum, "kl_ref_sum": kl_ref_sum,
-                 "first_dev": torch.cat(first_dev), "off_policy": torch.cat(off_policy), "skipped": skipped,
-                 "tokens": float(sum(float(mb.resp_mask.sum()) for mb in mbs)), "timings": timings}
-        if t.log_rollouts:
-            local["records"] = rollout_records(step, rank, [batch[j] for j in mine], problems, groups, flat_results,
-                                               ga, clip_high(ga.c, ga.k, a), stats, stat_rows)
-        parts = gather(local)
+        # --- 6. metrics over all ranks ----------------------------------------------------------------------------
+        stats = RolloutStats.cat(up.stats)
+        records = rollout_records(step, rank, [batch[j] for j in mine], s.problems, groups, flat_results, ga,
+                                  clip_high(ga.c, ga.k, a), up.stats, up.stat_rows) if t.log_rollouts else None
+        mine_step = RankStep(stats=stats, rewards=rewards, c=ga.c, k=ga.k, reward_counts=status_counts(flat_results),
+                             lengths=[len(x.response_ids) for x in rollouts], truncated=[x.truncated for x in rollouts],
+                             mismatch=torch.cat(old.mismatch + up.mismatch), entropy_sum=old.entropy_sum,
+                             kl_ref_sum=old.kl_ref_sum, first_dev=torch.cat(up.first_dev),
+                             off_policy=torch.cat(up.off_policy), skipped=up.skipped,
+                             tokens=float(sum(float(mb.resp_mask.sum()) for mini in minis for mb in mini)),
+                             timings=timings, records=records)
+        parts = gather(mine_step)
         if rank == 0:
-            metrics = step_metrics(parts, a.is_level, grad_norm, lr, a.correct_threshold)
-            if parent and step == start:
-                metrics["branch/parent_step"] = parent["step"]
+            metrics = step_metrics(parts, a.is_level, up.grad_norm, actor.lr(), a.correct_threshold)
+            if s.parent and step == s.first_step:
+                metrics["branch/parent_step"] = s.parent["step"]
             # Everything the step cost on rank 0 (phases + packing, metric gathering), before validation/saving.
             metrics["time/step_wall_s"] = time.perf_counter() - step_tic
             tracker.log(step, metrics)
             if t.log_rollouts:
-                tracker.log_rollouts([rec for p in parts for rec in p["records"]])
+                tracker.log_rollouts([rec for p in parts for rec in p.records])
             console.say(console.step_line(step, t.total_steps, metrics))
-        if benches and ((t.eval_every and step % t.eval_every == 0) or step == t.total_steps):
+        if s.benches and ((t.eval_every and step % t.eval_every == 0) or step == t.total_steps):
             validate(step)
 
-        # --- 7. checkpoint (collective) ----------------------------------------------------------
+        # --- 7. checkpoint (collective) ---------------------------------------------------------------------------
         if (t.save_every and step % t.save_every == 0) or step == t.total_steps:
-            checkpoint.save(actor, tokenizer, cfg, checkpoint.TrainerState(
-                step=step, sampler=sampler.state_dict(), world_size=world, wandb_id=wandb_id, parent=parent), run_dir)
+            checkpoint.save(actor, s.tokenizer, cfg, checkpoint.TrainerState(
+                step=step, sampler=s.sampler.state_dict(), world_size=world, wandb_id=s.wandb_id, parent=s.parent),
+                run_dir)
     if tracker:
         if len(val_history) > 1:
             (s0, m0), (s1, m1) = val_history[0], val_history[-1]
             console.say(f"held-out pass@1: {m0['val/mean/pass@1']:.3f} at step {s0} -> {m1['val/mean/pass@1']:.3f} "
-                        f"at step {s1}  ({', '.join(b[0] for b in benches)}; n={ev.n})")
+                        f"at step {s1}  ({', '.join(b[0] for b in s.benches)}; n={ev.n})")
         tracker.finish()
     dist.barrier()
     return run_dir
+
+
+@dataclass
+class OldLogprobs:
+    entropy_sum: float  # summed over response tokens (the step metric divides by all ranks' tokens)
+    kl_ref_sum: float
+    mismatch: list[Tensor]  # trainer - engine log-prob per response token, one tensor per micro-batch
+
+
+def old_logprobs(actor: Actor, mbs: list[MicroBatch], cfg: Config) -> OldLogprobs:
+    """Fills each micro-batch's old_logp (and ref_logp with a KL penalty) without gradient: the trainer's
+    recomputation, or the engine's own log-probs with rollout.use_engine_logprobs."""
+    r, a = cfg.rollout, cfg.algorithm
+    out = OldLogprobs(0.0, 0.0, [])
+    actor.engine.train()  # one mode for both passes: the update must recompute exactly these old log-probs
+    with torch.no_grad():
+        for mb in mbs:
+            m = mb.resp_mask.bool()
+            if r.use_engine_logprobs:  # no trainer pass: old = engine; mismatch comes from the first update
+                mb.old_logp = mb.engine_logp
+                out.entropy_sum -= float(mb.old_logp[m].sum())
+            else:
+                mb.old_logp, ent = actor.engine(mb, r.temperature, entropy=True)
+                out.mismatch.append((mb.old_logp - mb.engine_logp)[m].cpu())
+                out.entropy_sum += float(ent[m].sum())
+            if a.kl_coef > 0:
+                mb.ref_logp = actor.ref_engine(mb, r.temperature)[0]
+                out.kl_ref_sum += float(kl_penalty(mb.old_logp, mb.ref_logp, mb.resp_mask, StepNorm(1.0, 1.0)))
+    return out
+
+
+@dataclass
+class Updates:
+    """What the step's optimizer steps left to log; `stats` and `stat_rows` are per micro-batch update."""
+
+    stats: list[RolloutStats]
+    stat_rows: list[Tensor]  # the rollouts each entry of `stats` is about
+    off_policy: list[Tensor]  # per entry of `stats`: False on the step's first mini-batch, where nothing can clip
+    first_dev: list[Tensor]  # |log pi - log pi_old| on the step's first mini-batch (pi = pi_old there)
+    mismatch: list[Tensor]  # with engine log-probs as old ones: the first mini-batch's trainer - engine
+    grad_norm: float  # mean over the applied optimizer steps
+    skipped: int  # optimizer steps skipped for a non-finite gradient
+    skipped_in_a_row: int  # across steps: too many stop the run
+
+
+def update(actor: Actor, minis: list[list[MicroBatch]], cfg: Config, step: int, run_dir: Path,
+           skipped_in_a_row: int) -> Updates:
+    """Epochs x mini-batches of clipped updates, each one optimizer step normalised by its global token count."""
+    t, r, a = cfg.trainer, cfg.rollout, cfg.algorithm
+    out = Updates([], [], [], [], [], float("nan"), 0, skipped_in_a_row)
+    grad_norms: list[float] = []
+    for epoch in range(t.ppo_epochs):
+        for mini in minis:
+            on_policy = epoch == 0 and mini is minis[0]  # still the weights that sampled: the IS ratio must be 1
+            tokens = torch.tensor([sum(float(mb.resp_mask.sum()) for mb in mini),
+                                   sum(float(mb.resp_mask.any(-1).sum()) for mb in mini)], device=actor.device)
+            dist.all_reduce(tokens)  # the normaliser is the whole optimizer step's, over all ranks
+            norm = StepNorm(tokens=max(float(tokens[0]), 1.0), seqs=max(float(tokens[1]), 1.0),
+                            constant=a.loss_constant)
+            for i, mb in enumerate(mini):
+                actor.engine.set_gradient_accumulation_boundary(i == len(mini) - 1)  # counts differ per mini-batch
+                logp, _ = actor.engine(mb, r.temperature)
+                if on_policy:
+                    dev = (logp.detach() - mb.old_logp)[mb.resp_mask.bool()].cpu()
+                    out.first_dev.append(dev.abs())
+                    if r.use_engine_logprobs:
+                        out.mismatch.append(dev)
+                loss, st = policy_loss(logp, mb, norm, a)
+                applied = actor.backward(loss)
+                out.stats.append(st)
+                out.stat_rows.append(mb.index)
+                out.off_policy.append(torch.full((len(mb.index),), not on_policy))
+            if applied:
+                grad_norms.append(actor.grad_norm())
+                out.skipped_in_a_row = 0
+                continue
+            out.skipped += 1
+            out.skipped_in_a_row += 1
+            if dist.get_rank() == 0:
+                log.warning("step %d: optimizer step skipped (gradient norm %s, last loss %s); weights and "
+                            "optimizer state untouched", step, actor.grad_norm(), float(loss))
+            if out.skipped_in_a_row >= t.max_skipped_steps:
+                raise TrainingDiverged(
+                    f"step {step}: {out.skipped_in_a_row} optimizer steps in a row had a non-finite gradient norm "
+                    f"(trainer.max_skipped_steps={t.max_skipped_steps}); the weights are those of the last "
+                    f"good step. Lower trainer.lr, check model.dtype, or resume from a checkpoint in {run_dir}")
+    out.grad_norm = float(np.mean(grad_norms)) if grad_norms else float("nan")
+    return out
 
 
 def rollout_records(step, rank, prompt_idx, problems, groups, results, ga, eps_hi, stats, stat_rows) -> list[dict]:
