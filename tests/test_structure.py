@@ -105,6 +105,28 @@ def test_only_the_cli_imports_the_training_loop():
     assert importers == ["gapo/cli.py"]
 
 
+def test_nothing_below_the_trainer_imports_it():
+    """The training system sits above evaluation, data, rewards, rollouts and the run directory: those import
+    nothing of gapo.trainer (gapo-eval once reached into trainer.checkpoint for `find`, which lives in rundir)."""
+    graph = import_graph(REPO / "gapo")
+    above = {"gapo.cli", "gapo.rehearse"}
+    offenders = {m: sorted(d for d in deps if d.startswith("gapo.trainer")) for m, deps in graph.items()
+                 if not m.startswith("gapo.trainer") and m not in above}
+    assert {m: d for m, d in offenders.items() if d} == {}
+
+
+def test_no_module_imports_anothers_private_names():
+    """A name with a leading underscore is its module's own; one that two modules need belongs in a shared module
+    under a public name (gapo-compare once drew with gapo-plot's private helpers)."""
+    found = []
+    for path in sorted((REPO / "gapo").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("gapo"):
+                found += [f"{path.relative_to(REPO)}: {node.module}.{a.name}" for a in node.names
+                          if a.name.startswith("_")]
+    assert found == []
+
+
 def test_sandbox_host_and_harness_are_separate_programs():
     """The harness runs by path as PID 1 inside the namespaces (python -I: no gapo on its path), so it imports
     the standard library only and ends in its entry point; the host is a plain module."""
