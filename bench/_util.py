@@ -53,5 +53,24 @@ def run_sampled(cmd: list[str], *, env: dict | None = None, cwd: str | None = No
     return out, peak / 2**30
 
 
+def cpu_line() -> str:
+    """The CPU a figure was measured on: lscpu says only "AMD EPYC" on our machines, which differ 3-4x, so the
+    family/model numbers and AVX-512 come from /proc/cpuinfo."""
+    info: dict[str, str] = {}
+    flags: set[str] = set()
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            key, value = key.strip(), value.strip()
+            if key == "flags":
+                flags = set(value.split())
+            elif key in ("model name", "cpu family", "model") and key not in info:
+                info[key] = value
+    import os
+
+    return (f"CPU: {info.get('model name', '?')}, cpu family {info.get('cpu family', '?')}, model "
+            f"{info.get('model', '?')}, {'AVX-512' if 'avx512f' in flags else 'no AVX-512'}, {os.cpu_count()} cores")
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs)

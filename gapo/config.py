@@ -236,8 +236,12 @@ class RolloutConfig(_Section):
                                   "on GPU.")
     sleep_between_steps: bool = Field(
         False, description="vLLM sleep mode frees the KV cache while the actor trains (GPU only; refused on CPU).")
-    enforce_eager: bool = Field(
-        False, description="Skip vLLM's torch.compile warm-up (faster start, slower generation).")
+    compile: Literal["auto", "cache", "aot", "eager"] = Field(
+        "auto", description="How vLLM compiles the model at start: cache (torch.compile; inductor reuses its on-disk "
+                            "graph cache across starts), aot (vLLM's ahead-of-time artifacts; they do not load on "
+                            "CPU with vLLM 0.32 and torch 2.13, so every start compiles again), eager (no compile: "
+                            "fastest start, slower generation); auto: cache on CPU (measured, bench/startup.py), "
+                            "vLLM's default (aot) on GPU.")
     use_engine_logprobs: bool = Field(
         False, description="Take old log-probs from the engine instead of recomputing them with the trainer (saves "
                            "one forward pass over the batch). Sound where engine and trainer agree (fp32: ~1e-6, see "
@@ -470,6 +474,7 @@ def resolve(raw: dict | None = None, overrides: list[str] | tuple[str, ...] = ()
     tree = copy.deepcopy(raw) if raw else {}
     if not isinstance(tree, dict):
         raise ConfigError(f"configuration must be a mapping of sections, got {type(tree).__name__}")
+    _upgrade(tree)
     file_algo = tree.get("algorithm") or {}
     if not isinstance(file_algo, dict):
         raise ConfigError(f"algorithm: expected a mapping, got {file_algo!r}")
@@ -510,6 +515,14 @@ def resolve(raw: dict | None = None, overrides: list[str] | tuple[str, ...] = ()
     if cfg.eval.instruction is None:
         cfg.eval.instruction = cfg.data.instruction
     return cfg
+
+
+def _upgrade(tree: dict) -> None:
+    """Keys that configs written by earlier versions (run directories, checkpoints) carry, in today's terms."""
+    rollout = tree.get("rollout")
+    if isinstance(rollout, dict) and "enforce_eager" in rollout:  # before rollout.compile
+        eager = rollout.pop("enforce_eager")
+        rollout.setdefault("compile", "eager" if eager else "auto")
 
 
 def _preset_switches(name: str, algo: dict) -> dict[str, Any]:

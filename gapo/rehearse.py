@@ -14,7 +14,7 @@ cannot hold, which is scaled and listed in the report:
           step -> 2 ranks x one prompt per optimizer step (so each mini-batch holds one group per rank),
           micro-batches -> 2 per mini-batch (1 where the real run has 1), lengths -> 24 new tokens and 512 prompt
           tokens, steps -> 2, validation -> 2 problems x 2 samples of each benchmark that loads, vLLM's KV
-          cache -> 0.25 GiB and no compile warm-up (enforce_eager), reward workers -> 2, sleep mode off (the
+          cache -> 0.25 GiB and no compile warm-up (rollout.compile=eager), reward workers -> 2, sleep mode off (the
           CPU refuses it)
   data    a 16-problem sample of the real source; when the hub cannot be reached (offline, HF_HUB_OFFLINE=1), a
           stand-in of the same kind (the embedded arithmetic set, or data/example_code.jsonl), and the report
@@ -111,7 +111,7 @@ def plan(cfg: Config, nproc: int) -> Plan:
     scale("trainer.keep_last", 1)
     scale("reward.num_workers", min(cfg.reward.num_workers, 2))
     scale("rollout.kv_cache_gb", 0.25)
-    scale("rollout.enforce_eager", True)  # vLLM's compile warm-up would take most of a rehearsal's minute
+    scale("rollout.compile", "eager")  # vLLM's compile warm-up would take most of a rehearsal's minute
     scale("rollout.sleep_between_steps", False)
     if cfg.tracking.mode == "online":
         scale("tracking.mode", "offline")

@@ -17,7 +17,7 @@ from gapo.rollout.vllm_engine import VLLMEngine
 def main(out_path: str, model_dir: str) -> None:
     init_distributed()
     tok = AutoTokenizer.from_pretrained(model_dir)
-    engine = VLLMEngine(model_dir, dtype="float32", seed=0, max_model_len=256, kv_cache_gb=0.25, enforce_eager=True)
+    engine = VLLMEngine(model_dir, dtype="float32", seed=0, max_model_len=256, kv_cache_gb=0.25, compile="eager")
     prompts = [build_prompt_ids(tok, p, MATH_INSTRUCTION)
                for p in arithmetic_problems(4, seed=7, levels=["add_small"])]
     out = {"stop_ids": list(stop_token_ids(tok)), "im_end": tok.convert_tokens_to_ids("<|im_end|>")}

@@ -31,7 +31,7 @@ class Engine(Protocol):
 
 def build_engine(kind: str, model_dir: str, *, dtype: str, seed: int, max_model_len: int,
                  gpu_memory_utilization: float = 0.5, kv_cache_gb: float | None = None, sleep_mode: bool = False,
-                 enforce_eager: bool = False) -> Engine:
+                 compile: str = "auto") -> Engine:
     """The rollout engine of `kind` (vllm | hf); on CPU vLLM's KV cache defaults to 1 GiB per rank.
     A vLLM engine must be built after init_distributed: it joins the world group."""
     if kind == "hf":
@@ -43,4 +43,4 @@ def build_engine(kind: str, model_dir: str, *, dtype: str, seed: int, max_model_
     return VLLMEngine(model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len,
                       gpu_memory_utilization=gpu_memory_utilization, sleep_mode=sleep_mode,
                       kv_cache_gb=kv_cache_gb or (None if torch.cuda.is_available() else 1.0),
-                      enforce_eager=enforce_eager)
+                      compile=compile)

@@ -44,9 +44,16 @@ def _release_torch_cache() -> None:
 class VLLMEngine:
     def __init__(self, model_dir: str, *, dtype: str, seed: int, max_model_len: int,
                  gpu_memory_utilization: float = 0.5, kv_cache_gb: float | None = None, sleep_mode: bool = False,
-                 enforce_eager: bool = False):
+                 compile: str = "auto"):
         # In-process engine: the weights pushed by the trainer are plain tensors in this process.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # rollout.compile: on CPU vLLM compiles with torch's stock inductor, and the AOT artifacts it writes by
+        # default cannot be loaded back (their loader expects vLLM's own backend), so every start would compile
+        # again; without AOT, inductor's on-disk graph cache makes a second start cheap (bench/startup.py).
+        if compile == "auto":
+            compile = "aot" if torch.cuda.is_available() else "cache"
+        if compile != "eager":  # read by vLLM while the engine is built (its env cache is enabled only after)
+            os.environ["VLLM_USE_AOT_COMPILE"] = "1" if compile == "aot" else "0"
         from vllm import LLM
 
         self.sleep_mode = sleep_mode
@@ -59,7 +66,7 @@ class VLLMEngine:
         self.llm = LLM(model=model_dir, dtype=dtype, seed=seed, distributed_executor_backend="external_launcher",
                        tensor_parallel_size=1, logprobs_mode="processed_logprobs", max_model_len=max_model_len,
                        enable_prefix_caching=True, gpu_memory_utilization=gpu_memory_utilization,
-                       enable_sleep_mode=sleep_mode, enforce_eager=enforce_eager, **kv, **cpu)
+                       enable_sleep_mode=sleep_mode, enforce_eager=compile == "eager", **kv, **cpu)
         self.tokenizer = self.llm.get_tokenizer()
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int]) -> list[list[Rollout]]:

@@ -40,7 +40,7 @@ log = logging.getLogger("gapo.checkpoint")
 # the data, group size, batch shapes, optimizer settings held in the optimizer state) is refused.
 MAY_CHANGE = ("algorithm.", "trainer.resume_from", "trainer.total_steps", "trainer.output_dir", "trainer.save_every",
               "trainer.keep_last", "trainer.eval_every", "trainer.log_rollouts", "tracking.", "reward.", "eval.",
-              "rollout.engine", "rollout.enforce_eager", "rollout.kv_cache_gb", "rollout.gpu_memory_utilization",
+              "rollout.engine", "rollout.compile", "rollout.kv_cache_gb", "rollout.gpu_memory_utilization",
               "rollout.sleep_between_steps")
 
 

@@ -124,7 +124,7 @@ def setup(cfg: Config, rank: int, world: int) -> Setup:
     engine = build_engine(r.engine, model_dir, dtype=cfg.model.dtype, seed=t.seed + rank,
                           max_model_len=d.max_prompt_tokens + max(r.max_new_tokens, ev.max_new_tokens),
                           gpu_memory_utilization=r.gpu_memory_utilization, kv_cache_gb=r.kv_cache_gb,
-                          sleep_mode=r.sleep_between_steps, enforce_eager=r.enforce_eager)
+                          sleep_mode=r.sleep_between_steps, compile=r.compile)
     actor = Actor(cfg, model_dir)
     if start.ckpt is not None:
         checkpoint.load(actor, start.ckpt)  # model, optimizer, scheduler, this rank's RNG states
