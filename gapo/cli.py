@@ -65,14 +65,14 @@ def train_main(argv: list[str] | None = None) -> int:
     rank0 = os.environ.get("RANK", "0") == "0"
     if not args.verbose:
         console.capture(show_warnings=rank0)  # before the libraries load: what they print goes to train.log
-    from gapo.trainer.loop import TrainingDiverged, train
+    from gapo.trainer.loop import RewardsFailed, TrainingDiverged, train
 
     try:
         run_dir = train(cfg)
     except ConfigError as err:  # bad model path, data file or field: a message, not a traceback
         console.error(f"gapo-train: {err}")
         return 2
-    except TrainingDiverged as err:
+    except (TrainingDiverged, RewardsFailed) as err:
         console.error(f"gapo-train: {err}")
         return 3
     if rank0:

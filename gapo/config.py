@@ -192,6 +192,10 @@ class DataConfig(_Section):
     answer_key: str = "answer"
     instruction: str = MATH_INSTRUCTION
     max_prompt_tokens: int = Field(512, gt=0)
+    on_invalid: Literal["drop", "error"] = Field(
+        "drop", description="A record its rewarder cannot score (empty or null answer, tests that do not parse or "
+                            "hold no case, an empty prompt), found before step 1: drop it (counted on the console, "
+                            "listed in dropped_records.jsonl) or refuse the run, naming the first few.")
     dedup: bool = Field(False, description="Drop problems whose normalised text (case, whitespace) repeats an "
                                            "earlier one; the count is logged.")
     arithmetic_size: int = Field(2000, gt=0, description="Embedded arithmetic set: how many problems.")
@@ -257,6 +261,9 @@ class RewardConfig(_Section):
     math_timeout_s: float = Field(10.0, gt=0.0)
     code_timeout_s: float = Field(10.0, gt=0.0)
     code_memory_mb: int = Field(1024, gt=0)
+    max_error_frac: float = Field(
+        0.5, ge=0.0, le=1.0, description="A step in which more than this share of rollouts could not be scored (status "
+                                         "error: a rewarder failure, logged with the problem's id) stops the run.")
     math_last_number_fallback: bool = Field(
         False, description="Score a response with no boxed answer on its last number (the CPU demo's small model "
                            "rarely boxes).")

@@ -29,6 +29,17 @@ class Problem:
     meta: dict = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Dropped:
+    """A record left out before training or evaluation, and why (gapo.reward.registry.REASONS): one line of
+    <output_dir>/dropped_records.jsonl."""
+
+    source: str  # "train", or the benchmark's name
+    uid: str
+    reason: str
+    detail: str
+
+
 _DEFAULT = DataConfig()  # the default training set: its size and seed are the config's
 
 
@@ -211,21 +222,21 @@ def stop_token_ids(tokenizer) -> tuple[int, ...]:
 
 
 def tokenize_problems(tokenizer, problems: list[Problem], instruction: str, max_prompt_tokens: int,
-                      source: str = "training") -> tuple[list[Problem], list[list[int]]]:
-    """Chat-templated prompt ids; prompts over `max_prompt_tokens` are dropped and counted in the log (the
-    engine's context is sized for them: a longer one would stop the run mid-way)."""
-    kept, ids = [], []
+                      source: str = "train") -> tuple[list[Problem], list[list[int]], list[Dropped]]:
+    """Chat-templated prompt ids; prompts over `max_prompt_tokens` are dropped (the engine's context is sized for
+    them: a longer one would stop the run mid-way) and returned as such."""
+    kept, ids, dropped = [], [], []
     for p in problems:
         x = build_prompt_ids(tokenizer, p, instruction)
         if len(x) <= max_prompt_tokens:
             kept.append(p)
             ids.append(x)
-    if len(kept) < len(problems):
-        log.warning("%s: dropped %d of %d prompts longer than data.max_prompt_tokens=%d", source,
-                    len(problems) - len(kept), len(problems), max_prompt_tokens)
+        else:
+            dropped.append(Dropped(source, p.uid, "prompt too long",
+                                   f"{len(x)} tokens > data.max_prompt_tokens={max_prompt_tokens}"))
     if not kept:
         raise ConfigError(f"{source}: every prompt is longer than data.max_prompt_tokens={max_prompt_tokens}")
-    return kept, ids
+    return kept, ids, dropped
 
 
 class Sampler:

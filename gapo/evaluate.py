@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime
 from pathlib import Path
@@ -34,12 +36,14 @@ from tqdm import tqdm
 
 from gapo import ifeval, rundir
 from gapo.config import MATH_INSTRUCTION, ConfigError, DataConfig, RewardConfig, load_config
-from gapo.data import Problem, arithmetic_problems, build_prompt_ids, load_problems, stop_token_ids
+from gapo.data import Dropped, Problem, arithmetic_problems, build_prompt_ids, load_problems, stop_token_ids
 from gapo.distributed import gather
 from gapo.metrics import coverage, pass_at_k
-from gapo.reward.registry import score_groups
+from gapo.reward.registry import check_problems, dropped_summary, score_groups
 from gapo.rollout.engine import Engine
 from gapo.rollout.types import SamplingConfig
+
+log = logging.getLogger("gapo.evaluate")
 
 
 @dataclass(frozen=True)
@@ -81,10 +85,11 @@ DATE_FIELD = "contest_date"
 
 def load_benchmark(spec: str, limit: int | None = None, exclude: set[str] | None = None,
                    levels: list[str] | None = None, *, data_dir: str | Path | None = None
-                   ) -> tuple[str, str, list[Problem]]:
-    """(name, kind, problems) for a spec `name[@START:END][=path]` or `arithmetic` (problems of `levels`, held
-    out from `exclude`, by default from the default training set). A named benchmark is read from `data_dir`
-    (default: $GAPO_DATA_DIR) when its file is there, else from Hugging Face."""
+                   ) -> Bench:
+    """The benchmark of a spec `name[@START:END][=path]` or `arithmetic` (problems of `levels`, held out from
+    `exclude`, by default from the default training set). A named benchmark is read from `data_dir` (default:
+    $GAPO_DATA_DIR) when its file is there, else from Hugging Face. Records its rewarder cannot score (an empty
+    answer, tests that do not parse) are left out before `limit` applies, and listed with their reason."""
     name, _, path = spec.partition("=")
     name, at, window = name.partition("@")
     bounds = parse_window(window, spec) if at else None  # a malformed window fails before any download
@@ -110,7 +115,13 @@ def load_benchmark(spec: str, limit: int | None = None, exclude: set[str] | None
     if kind == "ifeval":
         ifeval.require_sentence_splitter()
         problems = ifeval.prepare(problems, where)
-    return name, kind, problems[:limit] if limit else problems
+    total = len(problems)
+    problems, dropped = check_problems(kind, problems, name)
+    if dropped:
+        log.warning("benchmark %s: left out %s; the rest is scored", name, dropped_summary(dropped, total))
+    if not problems:
+        raise ConfigError(f"{where}: no record can be scored ({dropped_summary(dropped, total)})")
+    return Bench(name, kind, problems[:limit] if limit else problems, dropped)
 
 
 def parse_window(window: str, spec: str) -> tuple[datetime | None, datetime | None]:
@@ -202,6 +213,16 @@ def _load_named(name: str, known: Benchmark, data_dir: str | Path | None, keys: 
 
 
 @dataclass
+class Bench:
+    """A benchmark ready to evaluate: the problems that can be scored, and the records left out (with why)."""
+
+    name: str
+    kind: str  # math | code | ifeval: which rewarder scores it
+    problems: list[Problem]
+    dropped: list[Dropped] = field(default_factory=list)
+
+
+@dataclass
 class BenchResult:
     name: str
     n: int
@@ -210,13 +231,14 @@ class BenchResult:
     statuses: dict[str, int]
     extra: dict[str, float] = field(default_factory=dict)  # kind-specific metrics (ifeval: its accuracies)
     kind: str = "math"
+    dropped: dict[str, int] = field(default_factory=dict)  # records left out before scoring, by reason
 
     def pass_at(self) -> dict[int, float]:
         ks = [2**i for i in range(int(math.log2(self.n)) + 1)]
         return {k: sum(pass_at_k(self.n, c, k) for c in self.correct) / len(self.correct) for k in ks}
 
 
-def evaluate(engine: Engine, tokenizer, benches: list[tuple[str, str, list[Problem]]], *, n: int, temperature: float,
+def evaluate(engine: Engine, tokenizer, benches: list[Bench], *, n: int, temperature: float,
              top_p: float, max_new_tokens: int, instruction: str | None, reward: RewardConfig, seed: int = 0,
              progress: bool = True) -> list[BenchResult]:
     """Every rank scores its share of each benchmark (problem i goes to rank i % world); results are gathered."""
@@ -224,7 +246,8 @@ def evaluate(engine: Engine, tokenizer, benches: list[tuple[str, str, list[Probl
     sampling = SamplingConfig(n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
                               stop_token_ids=stop_token_ids(tokenizer))
     out = []
-    for name, kind, problems in tqdm(benches, desc="eval", disable=not progress or rank != 0):
+    for bench in tqdm(benches, desc="eval", disable=not progress or rank != 0):
+        name, kind, problems = bench.name, bench.kind, bench.problems
         mine = list(range(rank, len(problems), world))
         # IFEval's prompts are the instructions under test: nothing is appended to them.
         instr = "" if kind == "ifeval" else instruction if instruction is not None else (
@@ -245,7 +268,8 @@ def evaluate(engine: Engine, tokenizer, benches: list[tuple[str, str, list[Probl
             statuses[s] = statuses.get(s, 0) + 1
         extra = ifeval.metrics(local[i][1] for i in range(len(problems))) if kind == "ifeval" else {}
         out.append(BenchResult(name, n, [local[i][0].count("correct") for i in range(len(problems))],
-                               [p.uid for p in problems], statuses, extra, kind))
+                               [p.uid for p in problems], statuses, extra, kind,
+                               dict(Counter(d.reason for d in bench.dropped))))
     return out
 
 
@@ -274,7 +298,8 @@ def summary(results: list[BenchResult], threshold: float = 0.05) -> dict[str, fl
 def write_results(results: list[BenchResult], out: Path, meta: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"meta": meta, "metrics": summary(results),
-                                                  "statuses": {r.name: r.statuses for r in results}}, indent=1))
+                                                  "statuses": {r.name: r.statuses for r in results},
+                                                  "dropped": {r.name: r.dropped for r in results}}, indent=1))
     with open(out / "per_problem.jsonl", "w") as f:
         for r in results:
             for uid, c in zip(r.uids, r.correct, strict=True):
@@ -292,6 +317,10 @@ def table(results: list[BenchResult]) -> str:
         mean = summary(results)
         label = "mean" if len(_averaged(results)) == len(results) else "mean (no ifeval)"
         rows.append(f"{label:<16}{'':>9}" + "".join(f"{100 * mean[f'val/mean/pass@{k}']:>9.1f}%" for k in ks))
+    for r in results:
+        if r.dropped:
+            rows.append(f"{r.name}: {sum(r.dropped.values())} record(s) left out, not scored: "
+                        + ", ".join(f"{k} {v}" for k, v in r.dropped.items()))
     for r in results:
         if r.extra:
             parts = [f"{ifeval.METRIC_NAMES.get(k, k)} {100 * v:.1f}%" for k, v in r.extra.items()]

@@ -7,6 +7,7 @@ the tracker write them; checkpoint, rehearse, gapo-eval, gapo-plot and gapo-comp
         rollouts.jsonl      every rollout with its clip decisions (trainer.log_rollouts)
         memory_plan.txt     the memory plan the run was checked against
         train.log           what the console leaves out
+        dropped_records.jsonl   the training and validation records left out before step 1, with why
         val/step_N/         validation results at step N (gapo-eval's results.json and per_problem.jsonl)
         eval/P/step_N/      gapo-eval --run: checkpoint N under the protocol P (a paper table's settings)
         checkpoints/        step_N/ (see gapo/trainer/checkpoint.py) and `latest`, the newest complete one
@@ -24,6 +25,7 @@ METRICS = "metrics.jsonl"
 ROLLOUTS = "rollouts.jsonl"
 MEMORY_PLAN = "memory_plan.txt"
 TRAIN_LOG = "train.log"
+DROPPED = "dropped_records.jsonl"
 VAL = "val"
 EVAL = "eval"
 CHECKPOINTS = "checkpoints"

@@ -66,15 +66,16 @@ def test_arithmetic_is_seeded_distinct_mixed_and_excludable():
         arithmetic_problems(10, levels=["add_tiny"])
 
 
-def test_overlong_prompts_are_dropped_and_counted(caplog):
+def test_overlong_prompts_are_dropped_and_counted():
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(resolve_model("tiny-qwen2"))
     probs = arithmetic_problems(3, seed=1)
     long = probs[1].__class__(uid="long", question="x " * 500, gold="1")
-    kept, ids = tokenize_problems(tok, [probs[0], long, probs[2]], "Be brief.", max_prompt_tokens=100)
+    kept, ids, dropped = tokenize_problems(tok, [probs[0], long, probs[2]], "Be brief.", max_prompt_tokens=100)
     assert [p.uid for p in kept] == [probs[0].uid, probs[2].uid] and all(len(x) <= 100 for x in ids)
-    assert "dropped 1 of 3 prompts" in caplog.text
+    assert [(d.uid, d.reason) for d in dropped] == [("long", "prompt too long")]
+    assert "> data.max_prompt_tokens=100" in dropped[0].detail
     assert tok.decode(ids[0]).startswith("<|im_start|>user\nWhat is")
 
 

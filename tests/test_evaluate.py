@@ -59,14 +59,19 @@ def test_gapo_eval_end_to_end_on_two_benchmark_files(tmp_path, small_sums, share
     punkt.mkdir(parents=True)
     for name in ("collocations.tab", "sent_starters.txt", "abbrev_types.txt", "ortho_context.tab"):
         (punkt / name).write_text("")
+    sums = tmp_path / "sums.jsonl"  # two records no rewarder can score come first: left out, the rest scored
+    bad = [{"problem": "1 + 1?", "answer": ""}, {"problem": "2 + 2?", "answer": None}]
+    sums.write_text("".join(json.dumps(x) + "\n" for x in bad) + small_sums.read_text())
     r = subprocess.run([str(BIN / "gapo-eval"), "--model", "tiny-qwen2", "--benchmarks",
-                        f"math500={math500},sums={small_sums},ifeval={ifeval}", "--limit", "8", "--n", "8",
+                        f"math500={math500},sums={sums},ifeval={ifeval}", "--limit", "8", "--n", "8",
                         "--temperature", "1.0", "--max-new-tokens", "24", "--dtype", "float32", "--out", str(out)],
                        cwd=ROOT, env={**ENV, "NLTK_DATA": str(tmp_path / "nltk_data")}, capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     assert "pass@8" in r.stdout and "sums" in r.stdout and "mean (no ifeval)" in r.stdout
     assert "ifeval: prompt-level strict" in r.stdout
+    assert "sums: 2 record(s) left out, not scored: empty answer 1, no answer 1" in r.stdout
+    assert json.loads((out / "results.json").read_text())["dropped"]["sums"] == {"empty answer": 1, "no answer": 1}
     res = json.loads((out / "results.json").read_text())["metrics"]
     rows = [json.loads(x) for x in (out / "per_problem.jsonl").read_text().splitlines()]
     assert {x["benchmark"] for x in rows} == {"math500", "sums", "ifeval"} and len(rows) == 18
@@ -136,9 +141,10 @@ def test_named_benchmark_from_gapo_data_dir_needs_no_hub(tmp_path, monkeypatch, 
     (tmp_path / "math").mkdir()
     (tmp_path / "math" / "amc.json").write_text(json.dumps([{"problem": "1+1?", "answer": 2.0}]))
     monkeypatch.setenv("GAPO_DATA_DIR", str(tmp_path))
-    name, kind, probs = load_benchmark("amc")
+    b = load_benchmark("amc")
+    name, kind, probs = b.name, b.kind, b.problems
     assert (name, kind, [(p.question, p.gold) for p in probs]) == ("amc", "math", [("1+1?", 2.0)])
-    assert load_benchmark("amc", data_dir=tmp_path)[2] == probs and hub_fails == []
+    assert load_benchmark("amc", data_dir=tmp_path).problems == probs and hub_fails == []
 
 
 @pytest.fixture(scope="module")
@@ -185,7 +191,8 @@ def test_arithmetic_benchmark_is_held_out_from_training_and_follows_its_levels()
     from gapo.evaluate import load_benchmark
 
     train = {p.question for p in arithmetic_problems(300, seed=1, levels=["add_small"])}
-    name, kind, probs = load_benchmark("arithmetic", 60, exclude=train, levels=["add_small"])
+    b = load_benchmark("arithmetic", 60, exclude=train, levels=["add_small"])
+    name, kind, probs = b.name, b.kind, b.problems
     assert (name, kind, len(probs)) == ("arithmetic", "math", 60)
     assert all(p.meta["level"] == "add_small" for p in probs) and not {p.question for p in probs} & train
 
@@ -206,13 +213,14 @@ def lcb_file(tmp_path) -> Path:
 def test_window_keeps_both_ends_as_livecodebench_does(lcb_file):
     from gapo.evaluate import load_benchmark
 
-    name, kind, probs = load_benchmark(f"livecodebench@2024-08-01:2025-02-01={lcb_file}")
+    b = load_benchmark(f"livecodebench@2024-08-01:2025-02-01={lcb_file}")
+    name, kind, probs = b.name, b.kind, b.problems
     # inclusive at both ends, the end date at 00:00 (LiveCodeBench's --start_date/--end_date comparison)
     assert (name, kind, [p.uid for p in probs]) == (
         "livecodebench", "code", ["2024-08-01T00:00:00", "2025-01-31T12:00:00", "2025-02-01T00:00:00"])
-    assert [p.uid for p in load_benchmark(f"livecodebench@2025-02-01:={lcb_file}")[2]] == DATED[3:]
-    assert [p.uid for p in load_benchmark(f"livecodebench@:2024-08-01={lcb_file}")[2]] == DATED[:2]
-    assert len(load_benchmark(f"livecodebench@2024-08-01:2025-02-01={lcb_file}", limit=2)[2]) == 2  # limit after
+    assert [p.uid for p in load_benchmark(f"livecodebench@2025-02-01:={lcb_file}").problems] == DATED[3:]
+    assert [p.uid for p in load_benchmark(f"livecodebench@:2024-08-01={lcb_file}").problems] == DATED[:2]
+    assert len(load_benchmark(f"livecodebench@2024-08-01:2025-02-01={lcb_file}", limit=2).problems) == 2  # limit after
 
 
 def test_window_reads_a_date_inside_metadata_and_aware_times(tmp_path):
@@ -224,7 +232,7 @@ def test_window_reads_a_date_inside_metadata_and_aware_times(tmp_path):
         {"problem": "b", "tests": "[]", "metadata": {"contest_date": "2024-01-01"}},
         {"problem": "c", "tests": "[]", "contest_date": "2025-02-01T01:00:00+02:00"},  # 2025-01-31T23:00 UTC
     ]))
-    assert [p.question for p in load_benchmark(f"livecodebench@2024-08-01:2025-02-01={f}")[2]] == ["a", "c"]
+    assert [p.question for p in load_benchmark(f"livecodebench@2024-08-01:2025-02-01={f}").problems] == ["a", "c"]
 
 
 @pytest.mark.parametrize("window, message", [
@@ -286,11 +294,11 @@ def test_named_livecodebench_is_deepcoders_v5_cut_and_its_own_window_needs_no_da
 
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
     monkeypatch.delenv("GAPO_DATA_DIR", raising=False)
-    assert len(load_benchmark("livecodebench@2024-08-01:2025-02-01")[2]) == 2
+    assert len(load_benchmark("livecodebench@2024-08-01:2025-02-01").problems) == 2
     assert asked == [("agentica-org/DeepCoder-Preview-Dataset", "lcbv5", "test")]
     with pytest.raises(ConfigError, match="no field 'contest_date'"):
         load_benchmark("livecodebench@2024-09-01:2025-02-01")
     local = tmp_path / "code"
     local.mkdir()
     (local / "livecodebench.json").write_text(json.dumps(records[:1]))
-    assert len(load_benchmark("livecodebench@2024-08-01:2025-02-01", data_dir=tmp_path)[2]) == 1
+    assert len(load_benchmark("livecodebench@2024-08-01:2025-02-01", data_dir=tmp_path).problems) == 1

@@ -10,7 +10,7 @@ import pytest
 from gapo import ifeval
 from gapo.config import ConfigError
 from gapo.data import Problem
-from gapo.evaluate import BenchResult, evaluate, load_benchmark, summary
+from gapo.evaluate import Bench, BenchResult, evaluate, load_benchmark, summary
 
 
 def fake_punkt(root):
@@ -172,7 +172,7 @@ def test_evaluate_scores_ifeval_without_the_math_instruction():
     engine = ScriptedEngine({P1.question: RESPONSES[0], P2.question: RESPONSES[1]})
     from gapo.config import RewardConfig
 
-    [res] = evaluate(engine, EchoTokenizer(), [("ifeval", "ifeval", [P1, P2])], n=2, temperature=1.0, top_p=1.0,
+    [res] = evaluate(engine, EchoTokenizer(), [Bench("ifeval", "ifeval", [P1, P2])], n=2, temperature=1.0, top_p=1.0,
                      max_new_tokens=16, instruction="Let's think step by step.", reward=RewardConfig(), progress=False)
     assert engine.prompts == [P1.question, P2.question]  # not even an explicit instruction is appended
     assert (res.kind, res.correct, res.statuses) == ("ifeval", [1, 1], {"correct": 2, "wrong": 2})
@@ -204,7 +204,8 @@ def write_jsonl(path, records):
 
 def test_loads_googles_jsonl_by_path_and_by_name(tmp_path, monkeypatch):
     f = write_jsonl(tmp_path / "input_data.jsonl", GOOGLE_RECORDS)
-    name, kind, probs = load_benchmark(f"ifeval={f}")
+    b = load_benchmark(f"ifeval={f}")
+    name, kind, probs = b.name, b.kind, b.problems
     assert (name, kind, [p.uid for p in probs]) == ("ifeval", "ifeval", ["1000", "1001"])
     assert (probs[1].question, probs[1].gold) == (GOOGLE_RECORDS[1]["prompt"], GOOGLE_RECORDS[1]["instruction_id_list"])
     assert ifeval.score('"It rains. It pours. It stops."', probs[1]).status == "correct"
@@ -212,7 +213,7 @@ def test_loads_googles_jsonl_by_path_and_by_name(tmp_path, monkeypatch):
     (tmp_path / "ifeval").mkdir()
     write_jsonl(tmp_path / "ifeval" / "input_data.jsonl", GOOGLE_RECORDS)
     monkeypatch.setenv("GAPO_DATA_DIR", str(tmp_path))
-    assert [p.uid for p in load_benchmark("ifeval", limit=1)[2]] == ["1000"]
+    assert [p.uid for p in load_benchmark("ifeval", limit=1).problems] == ["1000"]
 
 
 @pytest.mark.parametrize("record, message", [

@@ -10,10 +10,11 @@ every metric is computed exactly over the whole step.
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +26,13 @@ from tqdm import tqdm
 
 from gapo import console, rundir
 from gapo.config import Config, ConfigError
-from gapo.data import Problem, Sampler, load_training_set, stop_token_ids, tokenize_problems
+from gapo.data import Problem, Sampler, stop_token_ids, tokenize_problems
 from gapo.distributed import gather, init_distributed
-from gapo.evaluate import evaluate, load_benchmark, summary, write_results
+from gapo.evaluate import Bench, evaluate, load_benchmark, summary, write_results
 from gapo.memory import plan_text
 from gapo.models import check_context_budget, resolve_model
-from gapo.reward.registry import score_groups
-from gapo.reward.types import status_counts
+from gapo.reward.registry import score_groups, training_set
+from gapo.reward.types import RewardResult, status_counts
 from gapo.rollout.engine import Engine, build_engine
 from gapo.rollout.types import Rollout, SamplingConfig
 from gapo.tracking import Tracker
@@ -55,6 +56,21 @@ class TrainingDiverged(RuntimeError):
     """Too many optimizer steps in a row had a non-finite gradient: the run stops instead of idling."""
 
 
+class RewardsFailed(RuntimeError):
+    """Too many of a step's rollouts could not be scored: a broken rewarder must not train on nothing silently."""
+
+
+def check_rewards(results: list[RewardResult], max_error_frac: float, step: int, device: torch.device) -> None:
+    """Collective: the same decision on every rank, from the step's share of rollouts with status "error"."""
+    n = torch.tensor([sum(x.status == "error" for x in results), len(results)], dtype=torch.float64, device=device)
+    dist.all_reduce(n)
+    errors, total = int(n[0]), int(n[1])
+    if errors > max_error_frac * total:
+        raise RewardsFailed(f"step {step}: {errors} of {total} rollouts could not be scored (status error; "
+                            f"reward.max_error_frac={max_error_frac}): the rewarder is failing, see the errors "
+                            "logged above in train.log")
+
+
 def request_seed(seed: int, step: int, prompt_index: int) -> int:
     """One sampling seed per (run seed, step, prompt of the step): unique across ranks, repeatable on resume."""
     return int(np.random.SeedSequence([seed, step, prompt_index]).generate_state(1)[0] & 0x7FFFFFFF)
@@ -72,7 +88,7 @@ class Setup:
     problems: list[Problem]
     prompt_ids: list[list[int]]
     sampler: Sampler
-    benches: list[tuple[str, str, list[Problem]]]  # validation: (name, kind, tokenisable problems)
+    benches: list[Bench]  # validation: the problems that fit data.max_prompt_tokens
     engine: Engine
     actor: Actor
     tracker: Tracker | None  # rank 0 only
@@ -112,13 +128,20 @@ def setup(cfg: Config, rank: int, world: int) -> Setup:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    problems, prompt_ids = tokenize_problems(tokenizer, load_training_set(d), d.instruction, d.max_prompt_tokens)
+    problems, prompt_ids, dropped = training_set(d, tokenizer)
     sampler = Sampler(len(problems), seed=t.seed)
     train_questions = {p.question for p in problems}  # the held-out arithmetic set avoids all of them
-    benches = [load_benchmark(b, ev.limit, exclude=train_questions, levels=d.arithmetic_levels)
-               for b in ev.benchmarks]
-    benches = [(name, kind, tokenize_problems(tokenizer, probs, ev.instruction, d.max_prompt_tokens, name)[0])
-               for name, kind, probs in benches]
+    benches = []
+    for spec in ev.benchmarks:
+        b = load_benchmark(spec, ev.limit, exclude=train_questions, levels=d.arithmetic_levels)
+        kept, _, too_long = tokenize_problems(tokenizer, b.problems, ev.instruction, d.max_prompt_tokens, b.name)
+        benches.append(Bench(b.name, b.kind, kept, b.dropped + too_long))
+        dropped += b.dropped + too_long
+    if rank == 0 and dropped:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with open(run_dir / rundir.DROPPED, "w") as f:
+            f.writelines(json.dumps(asdict(x)) + "\n" for x in dropped)
+        console.say(f"dropped    {len(dropped)} records before training: {run_dir / rundir.DROPPED}")
 
     # Engine (after init_distributed: vLLM joins the world group), then the actor.
     engine = build_engine(r.engine, model_dir, dtype=cfg.model.dtype, seed=t.seed + rank,
@@ -202,8 +225,11 @@ def train(cfg: Config) -> Path:
         ga = group_advantages(rewards, [r.group_size] * len(groups), std_normalize=a.std_normalize,
                               focal_gamma=a.focal_gamma, correct_threshold=a.correct_threshold)
         # Rollouts left out of the loss keep their place (every rank must run the same forwards under ZeRO-3);
-        # they just get no tokens in the mask, the normaliser or the metrics.
-        keep = torch.ones(len(rollouts), dtype=torch.bool)
+        # they just get no tokens in the mask, the normaliser or the metrics. A group its rewarder failed on (every
+        # rollout "error") is one of them: a rewarder's failure is no signal about the policy.
+        failed = [all(x.status == "error" for x in g) for g in results]
+        keep = torch.tensor([not f for f, g in zip(failed, results, strict=True) for _ in g])
+        check_rewards(flat_results, cfg.reward.max_error_frac, step, actor.device)
         if r.filter_uniform_groups:
             keep &= (ga.c > 0) & (ga.c < ga.k)
         if r.mask_truncated:
@@ -262,7 +288,7 @@ def train(cfg: Config) -> Path:
         if len(val_history) > 1:
             (s0, m0), (s1, m1) = val_history[0], val_history[-1]
             console.say(f"held-out pass@1: {m0['val/mean/pass@1']:.3f} at step {s0} -> {m1['val/mean/pass@1']:.3f} "
-                        f"at step {s1}  ({', '.join(b[0] for b in s.benches)}; n={ev.n})")
+                        f"at step {s1}  ({', '.join(b.name for b in s.benches)}; n={ev.n})")
         tracker.finish()
     dist.barrier()
     return run_dir
