@@ -52,6 +52,7 @@ class Plan:
     world: int
     scaled: list[str]  # "key: real -> rehearsal"
     method: str  # the resolved method, one line
+    data_check: str = ""  # the records the rehearsal checked, and how many cannot be scored
 
 
 def method_row(cfg: Config) -> str:
@@ -122,11 +123,13 @@ def plan(cfg: Config, nproc: int) -> Plan:
     return Plan(config=resolve(tree), world=world, scaled=scaled, method=method_row(cfg))
 
 
-def _data_sample(cfg: Config, run_dir: Path, scaled: list[str]) -> dict:
-    """Check the real loader on a sample; the data section the rehearsal trains on."""
+def _data_sample(cfg: Config, run_dir: Path, p: Plan) -> dict:
+    """Check the real loader, and every record it can reach (the whole set when its sources are local, the
+    streamed sample from the hub) the way the run checks them; the data section the rehearsal trains on."""
     from gapo.data import load_training_set
+    from gapo.reward.registry import check_problems, dropped_summary
 
-    d = cfg.data
+    d, scaled = cfg.data, p.scaled
     shown = d.train if isinstance(d.train, str) else " + ".join(x.subset or x.source for x in d.train)
     try:
         problems = load_training_set(d.model_copy(update={"arithmetic_size": min(d.arithmetic_size, 300)}),
@@ -139,11 +142,23 @@ def _data_sample(cfg: Config, run_dir: Path, scaled: list[str]) -> dict:
                              "split": "train"}}[d.type]
         scaled.append(f"data.train: {shown} -> {stand_in['train']} (loader NOT checked, hub unreachable: {err})")
         return stand_in
+    sources = [d.train] if isinstance(d.train, str) else [x.source for x in d.train]
+    local = all(x == "arithmetic" or Path(x).suffix in (".json", ".jsonl", ".parquet") for x in sources)
+    everything = load_training_set(d) if local else problems
+    valid, dropped = check_problems(d.type, everything, "train")
+    p.data_check = (f"{'all' if local else 'the streamed sample of'} {len(everything)} records checked: "
+                    + (f"{dropped_summary(dropped, len(everything))} cannot be scored, dropped by the run"
+                       f"{' (data.on_invalid=error: the run refuses them)' if d.on_invalid == 'error' else ''}"
+                       if dropped else "every one can be scored"))
+    if dropped and d.on_invalid == "error":
+        raise ConfigError(f"data.train: {dropped_summary(dropped, len(everything))} cannot be scored "
+                          f"(data.on_invalid=error): {'; '.join(f'{x.uid}: {x.reason}' for x in dropped[:5])}")
+    problems = valid[:SAMPLE]
     sample = run_dir / "data_sample.jsonl"
     with sample.open("w") as f:
-        for p in problems:
-            meta = {k: v for k, v in p.meta.items() if k != "starter_code"}  # already under the question
-            f.write(json.dumps({**meta, "id": p.uid, "problem": p.question, "answer": p.gold}, default=str) + "\n")
+        for x in problems:
+            meta = {k: v for k, v in x.meta.items() if k != "starter_code"}  # already under the question
+            f.write(json.dumps({**meta, "id": x.uid, "problem": x.question, "answer": x.gold}, default=str) + "\n")
     scaled.append(f"data.train: {shown} -> its first {len(problems)} problems ({sample.name}; loader checked)")
     return {"train": str(sample), "prompt_key": "problem", "answer_key": "answer", "split": "train"}
 
@@ -173,7 +188,7 @@ def prepare(cfg: Config, nproc: int) -> tuple[Plan, Path]:
     run_dir.mkdir(parents=True)
     (run_dir / MARKER).write_text("written by gapo-train --rehearse; cleared by the next rehearsal\n")
     tree = p.config.model_dump(mode="json")
-    tree["data"].update(_data_sample(cfg, run_dir, p.scaled))
+    tree["data"].update(_data_sample(cfg, run_dir, p))
     tree["eval"]["benchmarks"] = _benchmarks(cfg, p.scaled)
     p.config = resolve(tree)
     (run_dir / rundir.REHEARSAL_CONFIG).write_text(dump_config(p.config))
@@ -194,6 +209,7 @@ def report(p: Plan, cfg: Config, run_dir: Path, context_limit: int | None) -> tu
     lines = [f"# Rehearsal: {'PASSED' if ok else 'FAILED'}", "",
              f"- method: {p.method}",
              f"- context: {limit}",
+             f"- data: {p.data_check}",
              f"- steps run: {len(train)} of {STEPS}, on {p.world} rank(s), {cfg.model.dtype}, gradient checkpointing "
              f"{'on' if cfg.model.gradient_checkpointing else 'off'}, ZeRO stage {cfg.trainer.zero_stage}",
              f"- first mini-batch IS deviation (max |log pi - log pi_old|, must be 0"
