@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from gapo import arithmetic
 from gapo.errors import ConfigError
+from gapo.rundir import run_of
 
 log = logging.getLogger("gapo.config")
 
@@ -270,10 +271,18 @@ class RewardConfig(_Section):
 
 
 class TrainerConfig(_Section):
-    output_dir: str = "runs/default"
+    output_dir: str | None = Field(
+        None, description="The run's directory; null: runs/<config>/<method>/seed<seed>, the method being the "
+                          "algorithm and the algorithm.* set on the command line (e.g. runs/qwen_math/"
+                          "gspo-eps_hi5e-3/seed0), so that baselines and seeds never share one.")
     total_steps: int = Field(10, ge=1)
     save_every: int = Field(0, ge=0, description="0: only at the end.")
-    keep_last: int = Field(2, ge=1)
+    keep_last: int = Field(2, ge=1, description="Checkpoints kept besides keep_steps and keep_every: the newest N.")
+    keep_steps: list[int] = Field(
+        default_factory=list, description="Checkpoints never pruned (the branch point of an intervention: [600]); "
+                                          "each must be a step that is saved (a multiple of save_every).")
+    keep_every: int = Field(0, ge=0, description="Never prune a checkpoint whose step is a multiple of this (the "
+                                                 "steps a table or figure evaluates); 0: off.")
     eval_every: int = Field(0, ge=0)
     lr: float = Field(1e-6, gt=0.0)
     lr_schedule: Literal["constant", "cosine"] = "constant"
@@ -312,6 +321,15 @@ class TrainerConfig(_Section):
     check_memory: bool = Field(
         True, description="On a GPU, refuse to start when the memory plan (gapo/memory.py, estimates) does not fit "
                           "the device.")
+
+
+    @model_validator(mode="after")
+    def _kept_steps_are_saved(self) -> TrainerConfig:
+        for step in self.keep_steps:
+            if step != self.total_steps and not (self.save_every and step % self.save_every == 0):
+                raise ValueError(f"trainer.keep_steps: step {step} is never saved (trainer.save_every="
+                                 f"{self.save_every}, trainer.total_steps={self.total_steps})")
+        return self
 
 
 class EvalConfig(_Section):
@@ -470,13 +488,17 @@ def find_config_file(name: str | Path) -> Path:
     raise ConfigError(f"config file {str(name)!r} not found (nor among the shipped configs in {CONFIGS_DIR})")
 
 
-def resolve(raw: dict | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+def resolve(raw: dict | None = None, overrides: list[str] | tuple[str, ...] = (),
+            config_name: str | None = None) -> Config:
     """Merge raw YAML data (a config file), dotted overrides (the command line) and the algorithm preset.
 
     Precedence: command line > file > preset. One exception makes baseline commands mean what they say:
     when the command line names another algorithm than the file (`--config qwen_math algorithm.name=grpo`),
     the file's method switches (PRESET_SWITCHES) are dropped, because they described the file's method;
     the file's model-level settings (`clip_widths`, `correct_threshold`, `kl_coef`, `loss_constant`) stay.
+
+    `config_name`: the config's name (its file's), for the run directory when neither the file nor the command line sets
+    trainer.output_dir: runs/<name>/<method>/seed<seed> (see `default_output_dir`).
     """
     tree = copy.deepcopy(raw) if raw else {}
     if not isinstance(tree, dict):
@@ -487,11 +509,14 @@ def resolve(raw: dict | None = None, overrides: list[str] | tuple[str, ...] = ()
         raise ConfigError(f"algorithm: expected a mapping, got {file_algo!r}")
     file_algo = dict(file_algo)  # as the file has it, before the overrides write into the tree
     cli_algo: dict[str, Any] = {}
+    method_overrides: list[tuple[str, Any]] = []  # algorithm.* from the command line, for the run directory's name
     for item in overrides:
         path, value = _parse_override(item)
         _set_path(tree, path, value)
         if path[0] == "algorithm" and len(path) == 2:
             cli_algo[path[1]] = value
+        if path[0] == "algorithm" and path[1:] != ["name"]:
+            method_overrides.append((".".join(path[1:]), value))
     algo = tree.get("algorithm") or {}
     if not isinstance(algo, dict):
         raise ConfigError(f"algorithm: expected a mapping, got {algo!r}")
@@ -521,7 +546,23 @@ def resolve(raw: dict | None = None, overrides: list[str] | tuple[str, ...] = ()
         cfg.eval.max_new_tokens = cfg.rollout.max_new_tokens
     if cfg.eval.instruction is None:
         cfg.eval.instruction = cfg.data.instruction
+    if cfg.trainer.output_dir is None:
+        cfg.trainer.output_dir = default_output_dir(cfg, config_name, method_overrides)
     return cfg
+
+
+def default_output_dir(cfg: Config, name: str | None, method_overrides: list[tuple[str, Any]]) -> str:
+    """Where a run goes when nothing names its directory: runs/<config>/<method>/seed<seed>, the method being the
+    algorithm and any algorithm.* set on the command line (gspo-eps_hi5e-3), so that a config's baselines and
+    seeds never collide. A resumed run goes on in the run it resumes (a new algorithm there branches next to it)."""
+    if cfg.trainer.resume_from:
+        return str(run_of(cfg.trainer.resume_from))
+    parts = [cfg.algorithm.name]
+    for key, value in sorted(method_overrides):
+        values = value if isinstance(value, list | tuple) else [value]
+        text = ",".join(fmt_eps(v) if isinstance(v, float) else str(v) for v in values)
+        parts.append(f"{key}{text}".replace("/", "_").replace(" ", ""))
+    return str(Path("runs") / (name or "run") / "-".join(parts) / f"seed{cfg.trainer.seed}")
 
 
 def _upgrade(tree: dict) -> None:
@@ -578,7 +619,7 @@ def read_config_file(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:
 
 
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    return resolve(read_config_file(path), overrides)
+    return resolve(read_config_file(path), overrides, config_name=find_config_file(path).stem)
 
 
 def dump_config(cfg: Config, *, comments: bool = False) -> str:

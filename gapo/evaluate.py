@@ -26,11 +26,13 @@ import logging
 import math
 import os
 import sys
+import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime
 from pathlib import Path
 
+import numpy as np
 import torch.distributed as dist
 from tqdm import tqdm
 
@@ -238,6 +240,31 @@ class BenchResult:
         return {k: sum(pass_at_k(self.n, c, k) for c in self.correct) / len(self.correct) for k in ks}
 
 
+def sample_seeds(seed: int, benches: list[Bench], n: int) -> list[list[int]]:
+    """One vLLM request seed per problem of each benchmark, such that no two (problem, sample) pairs share a seed.
+
+    vLLM seeds sample j of a request with seed + j, and its sampler's noise depends only on (seed, position,
+    token): two requests whose seed ranges overlap draw identical noise for the overlapping samples (with
+    seed * 1_000_003 + i, sample j of problem i and sample j - 1 of problem i + 1 did). So each request gets an
+    aligned block of 2^ceil(log2 n) seeds, drawn from SeedSequence([seed, benchmark, problem]) and moved to the
+    next free block on a collision: the blocks, hence all seeds, are disjoint across the whole evaluation."""
+    size = 1 << max(0, (n - 1).bit_length())
+    blocks = (1 << 31) // size
+    taken: set[int] = set()
+    out = []
+    for bench in benches:
+        tag = zlib.crc32(bench.name.encode())
+        row = []
+        for i in range(len(bench.problems)):
+            block = int(np.random.SeedSequence([seed, tag, i]).generate_state(1)[0]) % blocks
+            while block in taken:
+                block = (block + 1) % blocks
+            taken.add(block)
+            row.append(block * size)
+        out.append(row)
+    return out
+
+
 def evaluate(engine: Engine, tokenizer, benches: list[Bench], *, n: int, temperature: float,
              top_p: float, max_new_tokens: int, instruction: str | None, reward: RewardConfig, seed: int = 0,
              progress: bool = True) -> list[BenchResult]:
@@ -246,14 +273,16 @@ def evaluate(engine: Engine, tokenizer, benches: list[Bench], *, n: int, tempera
     sampling = SamplingConfig(n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
                               stop_token_ids=stop_token_ids(tokenizer))
     out = []
-    for bench in tqdm(benches, desc="eval", disable=not progress or rank != 0):
+    all_seeds = sample_seeds(seed, benches, n)
+    pairs = list(zip(benches, all_seeds, strict=True))
+    for bench, seeds in tqdm(pairs, desc="eval", disable=not progress or rank != 0):
         name, kind, problems = bench.name, bench.kind, bench.problems
         mine = list(range(rank, len(problems), world))
         # IFEval's prompts are the instructions under test: nothing is appended to them.
         instr = "" if kind == "ifeval" else instruction if instruction is not None else (
             MATH_INSTRUCTION if kind == "math" else "")
         prompts = [build_prompt_ids(tokenizer, problems[i], instr) for i in mine]
-        groups = engine.generate(prompts, sampling, seeds=[seed * 1_000_003 + i for i in mine]) if mine else []
+        groups = engine.generate(prompts, sampling, seeds=[seeds[i] for i in mine]) if mine else []
         texts, owned = [[x.text for x in g] for g in groups], [problems[i] for i in mine]
         if kind == "ifeval":
             scored = ifeval.score_groups(texts, owned)
@@ -329,11 +358,21 @@ def table(results: list[BenchResult]) -> str:
 
 
 def resolve_eval_model(path: str) -> Path:
-    """An HF model directory, a gapo checkpoint (its hf/ export), or a run directory (its latest checkpoint)."""
-    p = Path(path)
-    if (p / "config.json").is_file():
-        return p
-    return rundir.find(p) / "hf"
+    """An HF model directory, a gapo checkpoint (its hf/ export), a run directory (its latest checkpoint), a
+    built-in name or a Hugging Face hub id (the Base columns of Tables 1 and 2), downloaded once; a path that is
+    none of these gets an error naming what was tried."""
+    from gapo.models import BUILTIN, resolve_model
+
+    p = Path(path).expanduser()
+    if path in BUILTIN or (p / "config.json").is_file():
+        return resolve_model(path)
+    if p.exists():
+        return rundir.find(p) / "hf"
+    if path.count("/") == 1 and not path.startswith((".", "/", "~")):
+        return resolve_model(path)  # a hub id: downloaded once, or an error naming the id and the cause
+    raise ConfigError(f"--model {path}: no such directory, and not a built-in model ({', '.join(BUILTIN)}) or a "
+                      "Hugging Face id (owner/name); expected an HF model directory, a gapo run or checkpoint "
+                      "directory, a built-in name or a hub id")
 
 
 # What gapo-eval uses for a setting that neither its command line nor a --protocol gives.
@@ -372,7 +411,8 @@ def parser() -> argparse.ArgumentParser:
         epilog="Each of --benchmarks, --n, --temperature, --top-p, --max-new-tokens comes from the flag when given, "
                "else from the --protocol config's eval.protocol (a paper table's settings), else from the default "
                "shown. Example: gapo-eval --model runs/qwen_math_gapo --protocol qwen_math (Table 3).")
-    ap.add_argument("--model", required=True, help="HF model dir, gapo checkpoint dir, run dir, or a built-in name")
+    ap.add_argument("--model", required=True, help="HF model dir, gapo checkpoint or run dir, a built-in name, or a "
+                                                   "Hugging Face hub id (e.g. Qwen/Qwen2.5-Math-1.5B)")
     ap.add_argument("--protocol", default=None, metavar="CONFIG",
                     help="a config (name in configs/ or path) whose eval.protocol gives the benchmarks and sampling "
                          "of its paper table: qwen_math, llama_math (Table 3), r1_distill_math (Table 1), "
@@ -404,9 +444,7 @@ def main(argv: list[str] | None = None) -> int:
         note = apply_protocol(args)
         if note:
             print(f"gapo-eval: {note}", file=sys.stderr)
-        from gapo.models import BUILTIN, resolve_model
-
-        model_dir = resolve_model(args.model) if args.model in BUILTIN else resolve_eval_model(args.model)
+        model_dir = resolve_eval_model(args.model)
         benches = [load_benchmark(s.strip(), args.limit) for s in args.benchmarks.split(",") if s.strip()]
     except ConfigError as err:
         print(f"gapo-eval: {err}", file=sys.stderr)

@@ -13,12 +13,15 @@ cannot hold, which is scaled and listed in the report:
           2 layers, hidden 128, 4 heads / 2 KV heads, a 320-token vocabulary), ranks -> at most 2, prompts per
           step -> 2 ranks x one prompt per optimizer step (so each mini-batch holds one group per rank),
           micro-batches -> 2 per mini-batch (1 where the real run has 1), lengths -> 24 new tokens and 512 prompt
-          tokens, steps -> 2, validation -> 2 problems x 2 samples of each benchmark that loads, vLLM's KV
+          tokens, steps -> 2 (a kept checkpoint, trainer.keep_steps, -> step 1: saved, and kept while step 2 is
+          saved with keep_last 1), validation -> 2 problems x 2 samples of each benchmark that loads, vLLM's KV
           cache -> 0.25 GiB and no compile warm-up (rollout.compile=eager), reward workers -> 2, sleep mode off (the
           CPU refuses it)
-  data    a 16-problem sample of the real source; when the hub cannot be reached (offline, HF_HUB_OFFLINE=1), a
-          stand-in of the same kind (the embedded arithmetic set, or data/example_code.jsonl), and the report
-          says so; any other loading error fails the rehearsal, as it would fail the run
+  data    every record checked as the run checks it (the whole set when its sources are local files, the
+          streamed sample from the hub), then a 16-problem sample of the valid ones; when the hub cannot be
+          reached (offline, HF_HUB_OFFLINE=1), a stand-in of the same kind (the embedded arithmetic set, or
+          data/example_code.jsonl), and the report says so; any other loading error fails the rehearsal, as it
+          would fail the run
 
 It ends with a report: the resolved method row, what was scaled, the first mini-batch's IS deviation
 (max |log pi - log pi_old| where pi = pi_old; 0 exactly when the old-log-prob pass and the update agree),
@@ -107,7 +110,12 @@ def plan(cfg: Config, nproc: int) -> Plan:
 
         start = checkpoint.read(rundir.find(t.resume_from))[0].step
     scale("trainer.total_steps", start + STEPS)
-    scale("trainer.save_every", 0)
+    # A checkpoint that must survive pruning (an intervention's branch point) is rehearsed as step 1 of 2: saved,
+    # then kept while step 2 is saved with keep_last 1, as the real one must be.
+    kept = [start + 1] if t.keep_steps else []
+    scale("trainer.save_every", 1 if kept else 0)
+    scale("trainer.keep_steps", kept)
+    scale("trainer.keep_every", 0)
     scale("trainer.eval_every", 0)
     scale("trainer.keep_last", 1)
     scale("reward.num_workers", min(cfg.reward.num_workers, 2))

@@ -47,7 +47,7 @@ def is_checkpoint(path: Path) -> bool:
 def run_of(path: str | Path) -> Path:
     """The run directory of a checkpoint directory, or the path itself (a run directory)."""
     p = Path(path)
-    return p.parent.parent if is_checkpoint(p) else p
+    return p.parent.parent if is_checkpoint(p) or p.parent.name == CHECKPOINTS else p
 
 
 def checkpoints(run_dir: str | Path) -> dict[int, Path]:

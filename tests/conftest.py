@@ -1,4 +1,4 @@
-"""Where the real-data tests find the benchmark files (math/aime24.json, code/leetcode.json, ...: see
+"""Test tiers, and where the real-data tests find the benchmark files (math/aime24.json, code/leetcode.json, ...: see
 README.md, "Two commands"), in one place.
 
 A file such as `math/aime24.json` is looked up in this order:
@@ -11,6 +11,15 @@ fails instead, and a real-data test can never be skipped there unnoticed.
 
 The hub is opt-in because a download attempt is not cheap to rule out: behind a firewall that drops packets
 each request waits for its timeout, and that would slow every `make test` on an offline machine.
+
+Tiers (pyproject.toml registers the markers; --strict-markers makes a misspelled one a collection error):
+- unmarked: unit tests, seconds each; `make test` runs them all.
+- `e2e`: starts gapo-train, gapo-eval, gapo-sweep or a rehearsal in a subprocess (real vLLM, DeepSpeed, rewarders).
+- `dist`: a torchrun check on several ranks.
+- `smoke`: an e2e or dist test that `make test` runs anyway, so that the fast tier still exercises the real stack.
+`make test-all` (CI) runs every tier. A test that launches one of those programs without its marker fails at
+once (`_guard_launches`), and one that uses the `torchrun` fixture without `dist` fails collection, so a slow
+test cannot hide in the fast tier.
 """
 
 from __future__ import annotations
@@ -23,6 +32,49 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+# --------------------------------------------------------------------------------------------------
+# Tiers
+# --------------------------------------------------------------------------------------------------
+# What a command line must contain to count as a launch of the real stack: (needle, the marker it needs).
+LAUNCHES = (("torch.distributed.run", "dist"), ("gapo-train", "e2e"), ("gapo-eval", "e2e"), ("gapo-sweep", "e2e"),
+            ("gapo.cli", "e2e"), ("gapo.study.sweep", "e2e"))
+_current: list[pytest.Item] = []  # the test being set up, run or torn down
+_real_popen_init = subprocess.Popen.__init__
+
+
+def _guard_launches(self, args, *rest, **kwargs):
+    """subprocess.Popen, refusing a launch of the real stack from a test that lacks its tier's marker."""
+    words = [str(a) for a in (args if isinstance(args, list | tuple) else [args])]
+    item = _current[-1] if _current else None
+    if item is not None and not {"--help", "--print-config"} & set(words):  # those only read a config
+        marks = {m.name for m in item.iter_markers()}
+        for needle, marker in LAUNCHES:
+            if any(needle in w for w in words) and marker not in marks and not (marker == "e2e" and "dist" in marks):
+                raise pytest.fail.Exception(f"{item.nodeid} starts {needle} but is not marked @pytest.mark.{marker}: "
+                                            "mark it (tests/conftest.py, Tiers), or `make test` would run it in the "
+                                            "fast tier", pytrace=False)
+    _real_popen_init(self, args, *rest, **kwargs)
+
+
+subprocess.Popen.__init__ = _guard_launches
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _current.append(item)
+    try:
+        return (yield)
+    finally:
+        _current.pop()
+
+
+def pytest_collection_modifyitems(config, items):
+    missing = [item.nodeid for item in items
+               if "torchrun" in getattr(item, "fixturenames", ()) and item.get_closest_marker("dist") is None]
+    if missing:
+        raise pytest.UsageError("tests using the torchrun fixture must be marked @pytest.mark.dist: "
+                                + ", ".join(missing))
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -255,3 +255,38 @@ def test_generation_stops_at_the_chat_templates_end_of_turn(tmp_path, torchrun):
         assert im_end not in ids[:-1] and (ids[-1] in (im_end, eos) or len(ids) == 40), ids
         assert "<|im_end|>" not in text
     assert any(ids[-1] == im_end for ids, _ in res["with"])
+
+
+def test_bad_records_are_dropped_and_a_failing_rewarder_costs_only_its_group(tmp_path):
+    """A math file with empty, null, half-empty and blank answers mixed in: the run names what it dropped before
+    step 1 and trains on the rest; a rewarder that raises for one problem mid-step (injected) turns that group's
+    rollouts into status error with no gradient, and the step completes."""
+    from gapo.data import arithmetic_problems
+
+    good = [{"id": p.uid, "problem": p.question, "answer": p.gold}
+            for p in arithmetic_problems(8, seed=31, levels=["add_small"])]
+    bad = [{"id": "empty", "problem": "1 + 1?", "answer": ""}, {"id": "null", "problem": "1 + 2?", "answer": None},
+           {"id": "half", "problem": "1 + 3?", "answer": ["4", ""]},
+           {"id": "blank", "problem": "1 + 4?", "answer": " "}]
+    data = tmp_path / "mixed.jsonl"
+    data.write_text("".join(json.dumps(x) + "\n" for x in bad[:2] + good[:4] + bad[2:] + good[4:]))
+    out, victim = tmp_path / "run", good[5]["id"]
+    cmd = [str(BIN / "gapo-train"), "--config", "configs/tiny_cpu.yaml", f"trainer.output_dir={out}",
+           "trainer.total_steps=2", f"data.train={data}", "trainer.log_rollouts=true", "tracking.mode=disabled",
+           "trainer.ppo_epochs=2"]  # the second epoch's updates are off-policy for every rollout
+    r = subprocess.run(cmd, cwd=ROOT, env={**ENV, "GAPO_FAULT": f"score_raise:{victim}"}, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "data.train: dropped 4 of 12 records (empty answer: 3, no answer: 1); trains on the other 8" in r.stderr
+    assert f"dropped    4 records before training: {out / 'dropped_records.jsonl'}" in r.stderr
+    dropped = [json.loads(x) for x in (out / "dropped_records.jsonl").read_text().splitlines()]
+    assert [(x["uid"], x["reason"]) for x in dropped] == [("empty", "empty answer"), ("null", "no answer"),
+                                                          ("half", "empty answer"), ("blank", "empty answer")]
+    rows = metrics(out)
+    assert sorted(row["reward/error_frac"] for row in rows) == [0.0, 8 / 32]  # 2 steps x 4 prompts: each problem once
+    failed = [x for x in rollouts(out) if x["problem"] == victim]
+    assert len(failed) == 8 and {x["status"] for x in failed} == {"error"}
+    # No gradient: none of its tokens is in the loss, so its ratio stays exactly 1 through every update.
+    assert all(u["is_ratio"] == 1.0 and u["clip_hi_tokens"] == 0 for x in failed for u in x["updates"])
+    moved = [u["is_ratio"] for x in rollouts(out) if x["problem"] != victim for u in x["updates"][1:]]
+    assert moved and any(v != 1.0 for v in moved)

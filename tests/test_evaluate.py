@@ -302,3 +302,43 @@ def test_named_livecodebench_is_deepcoders_v5_cut_and_its_own_window_needs_no_da
     local.mkdir()
     (local / "livecodebench.json").write_text(json.dumps(records[:1]))
     assert len(load_benchmark("livecodebench@2024-08-01:2025-02-01", data_dir=tmp_path).problems) == 1
+
+
+def test_evaluation_seeds_never_share_a_sample():
+    """vLLM seeds sample j of a request with seed + j; with n = 256 on a few benchmarks, every (problem, sample)
+    pair must get a seed of its own (the old seed * 1_000_003 + i shared 255 of 256 with the next problem)."""
+    from gapo.data import Problem
+    from gapo.evaluate import Bench, sample_seeds
+
+    benches = [Bench(name, "math", [Problem(str(i), "q", "1") for i in range(count)])
+               for name, count in (("aime24", 30), ("math500", 500), ("amc", 83))]
+    for n in (1, 3, 16, 256):
+        seeds = sample_seeds(0, benches, n)
+        every = [s + j for row in seeds for s in row for j in range(n)]
+        assert len(every) == len(set(every)) == 613 * n
+        assert all(0 <= s and s + n <= 2**31 for row in seeds for s in row)
+    assert sample_seeds(0, benches, 16) == sample_seeds(0, benches, 16)  # repeatable
+    assert sample_seeds(0, benches, 16) != sample_seeds(1, benches, 16)
+
+
+def test_gapo_eval_model_accepts_a_hub_id_and_names_what_failed(monkeypatch, tmp_path):
+    """The Base columns of Tables 1 and 2 evaluate a hub model: its id is downloaded (here the download fails, as
+    offline), and a path that is nothing gapo-eval knows says what it tried."""
+    import huggingface_hub
+
+    from gapo.config import ConfigError
+
+    asked = []
+
+    def offline(repo_id, **kwargs):
+        asked.append(repo_id)
+        raise ConnectionError("no network in this test")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    monkeypatch.setenv("GAPO_CACHE", str(tmp_path))
+    with pytest.raises(ConfigError, match="'Qwen/Qwen2.5-Math-1.5B' is not a local directory, and downloading it "
+                                          "from the Hugging Face hub failed .*no network"):
+        resolve_eval_model("Qwen/Qwen2.5-Math-1.5B")
+    assert asked == ["Qwen/Qwen2.5-Math-1.5B"]
+    with pytest.raises(ConfigError, match=r"--model \./nowhere/at/all: no such directory, and not a built-in"):
+        resolve_eval_model("./nowhere/at/all")

@@ -39,9 +39,9 @@ log = logging.getLogger("gapo.checkpoint")
 # What may differ between a checkpoint's config and the run that resumes it. Anything else (the model,
 # the data, group size, batch shapes, optimizer settings held in the optimizer state) is refused.
 MAY_CHANGE = ("algorithm.", "trainer.resume_from", "trainer.total_steps", "trainer.output_dir", "trainer.save_every",
-              "trainer.keep_last", "trainer.eval_every", "trainer.log_rollouts", "tracking.", "reward.", "eval.",
-              "rollout.engine", "rollout.compile", "rollout.kv_cache_gb", "rollout.gpu_memory_utilization",
-              "rollout.sleep_between_steps")
+              "trainer.keep_last", "trainer.keep_steps", "trainer.keep_every", "trainer.eval_every",
+              "trainer.log_rollouts", "tracking.", "reward.", "eval.", "rollout.engine", "rollout.compile",
+              "rollout.kv_cache_gb", "rollout.gpu_memory_utilization", "rollout.sleep_between_steps")
 
 
 @dataclass
@@ -105,15 +105,18 @@ def save(actor, tokenizer, cfg: Config, state: TrainerState, run_dir: Path) -> P
             shutil.rmtree(final)
         os.replace(tmp, final)
         _write_atomic(root / rundir.LATEST, name)
-        _prune(root, cfg.trainer.keep_last)
+        _prune(root, cfg.trainer.keep_last, cfg.trainer.keep_steps, cfg.trainer.keep_every)
     dist.barrier()
     return final
 
 
-def _prune(root: Path, keep: int) -> None:
-    done = sorted(p for p in root.glob("step_*") if p.is_dir())
-    for old in done[:-keep]:
-        shutil.rmtree(old)
+def _prune(root: Path, keep: int, keep_steps: list[int] = (), keep_every: int = 0) -> None:
+    """Remove complete checkpoints beyond the newest `keep`, except the steps named in `keep_steps` and the
+    multiples of `keep_every` (an intervention's branch point, the steps a table evaluates)."""
+    done = sorted((int(p.name[5:]), p) for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit())
+    for step, old in done[:-keep]:
+        if step not in keep_steps and not (keep_every and step % keep_every == 0):
+            shutil.rmtree(old)
 
 
 def read(ckpt: Path) -> tuple[TrainerState, Config]:
