@@ -349,9 +349,9 @@ class EvalConfig(_Section):
         max_new_tokens: int = Field(gt=0)
 
     benchmarks: list[str] = Field(
-        default_factory=list, description='Benchmark specs: names (gapo.evaluate.BENCHMARKS, or "arithmetic": a '
+        default_factory=list, description='Benchmark specs: names (gapo.study.evaluate.BENCHMARKS, or "arithmetic": a '
                                           "held-out generated set), name=path, and name@START:END for a date window "
-                                          "(see gapo.evaluate).")
+                                          "(see gapo.study.evaluate).")
     n: int = Field(4, ge=1)
     temperature: float = Field(1.0, gt=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -504,6 +504,7 @@ def resolve(raw: dict | None = None, overrides: list[str] | tuple[str, ...] = ()
     if not isinstance(tree, dict):
         raise ConfigError(f"configuration must be a mapping of sections, got {type(tree).__name__}")
     _upgrade(tree)
+    tree = {k: {} if v is None else v for k, v in tree.items()}  # a section left empty (all its keys commented out)
     file_algo = tree.get("algorithm") or {}
     if not isinstance(file_algo, dict):
         raise ConfigError(f"algorithm: expected a mapping, got {file_algo!r}")

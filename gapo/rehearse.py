@@ -172,7 +172,7 @@ def _data_sample(cfg: Config, run_dir: Path, p: Plan) -> dict:
 
 
 def _benchmarks(cfg: Config, scaled: list[str]) -> list[str]:
-    from gapo.evaluate import load_benchmark
+    from gapo.study.evaluate import load_benchmark
 
     kept = []
     for spec in cfg.eval.benchmarks:

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from gapo.data import arithmetic_problems
-from gapo.evaluate import BenchResult, resolve_eval_model, summary
 from gapo.metrics import pass_at_k
+from gapo.study.evaluate import BenchResult, resolve_eval_model, summary
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -110,7 +110,7 @@ def hub_fails(monkeypatch):
 
 def test_named_benchmark_nowhere_names_the_file_the_dataset_and_the_fixes(tmp_path, monkeypatch, hub_fails, capsys):
     from gapo.config import ConfigError
-    from gapo.evaluate import load_benchmark, main
+    from gapo.study.evaluate import load_benchmark, main
 
     monkeypatch.setenv("GAPO_DATA_DIR", str(tmp_path))
     with pytest.raises(ConfigError) as err:
@@ -136,7 +136,7 @@ def test_named_benchmark_nowhere_names_the_file_the_dataset_and_the_fixes(tmp_pa
 
 
 def test_named_benchmark_from_gapo_data_dir_needs_no_hub(tmp_path, monkeypatch, hub_fails):
-    from gapo.evaluate import load_benchmark
+    from gapo.study.evaluate import load_benchmark
 
     (tmp_path / "math").mkdir()
     (tmp_path / "math" / "amc.json").write_text(json.dumps([{"problem": "1+1?", "answer": 2.0}]))
@@ -171,8 +171,8 @@ def test_validation_during_training(two_runs):
 
 
 def test_plots_from_two_real_runs(two_runs, tmp_path):
-    from gapo.figures import load_run
-    from gapo.plot import build_figures, main
+    from gapo.study.figures import load_run
+    from gapo.study.plot import build_figures, main
 
     out = tmp_path / "plots"
     assert main([str(two_runs[0]), str(two_runs[1]), "--out", str(out)]) == 0
@@ -188,7 +188,7 @@ def test_plots_from_two_real_runs(two_runs, tmp_path):
 
 
 def test_arithmetic_benchmark_is_held_out_from_training_and_follows_its_levels():
-    from gapo.evaluate import load_benchmark
+    from gapo.study.evaluate import load_benchmark
 
     train = {p.question for p in arithmetic_problems(300, seed=1, levels=["add_small"])}
     b = load_benchmark("arithmetic", 60, exclude=train, levels=["add_small"])
@@ -198,6 +198,8 @@ def test_arithmetic_benchmark_is_held_out_from_training_and_follows_its_levels()
 
 
 # --- date windows (LiveCodeBench v5 = 2024-08-01..2025-02-01, paper Table 2) ------------------------------------
+# One stdin case: a record the code rewarder can score (one with "[]" tests is left out as "no test cases").
+ONE_CASE = json.dumps([{"input": "1\n", "output": "1\n"}])
 DATED = ["2024-07-31T23:59:00", "2024-08-01T00:00:00", "2025-01-31T12:00:00", "2025-02-01T00:00:00",
          "2025-02-01T10:00:00", "2025-03-01"]
 
@@ -205,13 +207,13 @@ DATED = ["2024-07-31T23:59:00", "2024-08-01T00:00:00", "2025-01-31T12:00:00", "2
 @pytest.fixture
 def lcb_file(tmp_path) -> Path:
     f = tmp_path / "lcb.jsonl"
-    f.write_text("".join(json.dumps({"id": d, "problem": f"p{i}", "tests": "[]", "contest_date": d}) + "\n"
+    f.write_text("".join(json.dumps({"id": d, "problem": f"p{i}", "tests": ONE_CASE, "contest_date": d}) + "\n"
                          for i, d in enumerate(DATED)))
     return f
 
 
 def test_window_keeps_both_ends_as_livecodebench_does(lcb_file):
-    from gapo.evaluate import load_benchmark
+    from gapo.study.evaluate import load_benchmark
 
     b = load_benchmark(f"livecodebench@2024-08-01:2025-02-01={lcb_file}")
     name, kind, probs = b.name, b.kind, b.problems
@@ -224,13 +226,13 @@ def test_window_keeps_both_ends_as_livecodebench_does(lcb_file):
 
 
 def test_window_reads_a_date_inside_metadata_and_aware_times(tmp_path):
-    from gapo.evaluate import load_benchmark
+    from gapo.study.evaluate import load_benchmark
 
     f = tmp_path / "dc.json"
     f.write_text(json.dumps([
-        {"problem": "a", "tests": "[]", "metadata": json.dumps({"contest_date": "2024-09-01T00:00:00"})},
-        {"problem": "b", "tests": "[]", "metadata": {"contest_date": "2024-01-01"}},
-        {"problem": "c", "tests": "[]", "contest_date": "2025-02-01T01:00:00+02:00"},  # 2025-01-31T23:00 UTC
+        {"problem": "a", "tests": ONE_CASE, "metadata": json.dumps({"contest_date": "2024-09-01T00:00:00"})},
+        {"problem": "b", "tests": ONE_CASE, "metadata": {"contest_date": "2024-01-01"}},
+        {"problem": "c", "tests": ONE_CASE, "contest_date": "2025-02-01T01:00:00+02:00"},  # 2025-01-31T23:00 UTC
     ]))
     assert [p.question for p in load_benchmark(f"livecodebench@2024-08-01:2025-02-01={f}").problems] == ["a", "c"]
 
@@ -245,7 +247,7 @@ def test_window_reads_a_date_inside_metadata_and_aware_times(tmp_path):
 ])
 def test_bad_windows_are_refused_naming_the_spec(lcb_file, window, message):
     from gapo.config import ConfigError
-    from gapo.evaluate import load_benchmark
+    from gapo.study.evaluate import load_benchmark
 
     with pytest.raises(ConfigError, match=message) as err:
         load_benchmark(f"livecodebench@{window}={lcb_file}")
@@ -254,16 +256,16 @@ def test_bad_windows_are_refused_naming_the_spec(lcb_file, window, message):
 
 def test_window_on_records_without_a_date_names_the_field_and_the_way_out(tmp_path):
     from gapo.config import ConfigError
-    from gapo.evaluate import load_benchmark
+    from gapo.study.evaluate import load_benchmark
 
     f = tmp_path / "lcbv5_test.json"
-    f.write_text(json.dumps([{"problem": "a", "tests": "[]", "metadata": "{}"}]))
+    f.write_text(json.dumps([{"problem": "a", "tests": ONE_CASE, "metadata": "{}"}]))
     with pytest.raises(ConfigError) as err:
         load_benchmark(f"livecodebench@2024-08-01:2025-02-01={f}")
     for part in (str(f), "item 0", "no field 'contest_date'", "metadata.contest_date", "livecodebench=PATH"):
         assert part in str(err.value), (part, str(err.value))
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps([{"problem": "a", "tests": "[]", "contest_date": "last week"}]))
+    bad.write_text(json.dumps([{"problem": "a", "tests": ONE_CASE, "contest_date": "last week"}]))
     with pytest.raises(ConfigError, match="contest_date='last week' is not an ISO date"):
         load_benchmark(f"livecodebench@2024-08-01:2025-02-01={bad}")
     with pytest.raises(ConfigError, match="unknown benchmark 'chess'"):
@@ -283,9 +285,9 @@ def test_named_livecodebench_is_deepcoders_v5_cut_and_its_own_window_needs_no_da
     import datasets
 
     from gapo.config import ConfigError
-    from gapo.evaluate import load_benchmark
+    from gapo.study.evaluate import load_benchmark
 
-    records = [{"problem": "a", "tests": "[]", "metadata": "{}"}, {"problem": "b", "tests": "[]", "metadata": "{}"}]
+    records = [{"problem": "a", "tests": ONE_CASE, "metadata": "{}"}, {"problem": "b", "tests": ONE_CASE, "metadata": "{}"}]
     asked = []
 
     def load_dataset(name, subset=None, *, split, **kwargs):
@@ -308,7 +310,7 @@ def test_evaluation_seeds_never_share_a_sample():
     """vLLM seeds sample j of a request with seed + j; with n = 256 on a few benchmarks, every (problem, sample)
     pair must get a seed of its own (the old seed * 1_000_003 + i shared 255 of 256 with the next problem)."""
     from gapo.data import Problem
-    from gapo.evaluate import Bench, sample_seeds
+    from gapo.study.evaluate import Bench, sample_seeds
 
     benches = [Bench(name, "math", [Problem(str(i), "q", "1") for i in range(count)])
                for name, count in (("aime24", 30), ("math500", 500), ("amc", 83))]

@@ -7,10 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from gapo import ifeval
 from gapo.config import ConfigError
 from gapo.data import Problem
-from gapo.evaluate import Bench, BenchResult, evaluate, load_benchmark, summary
+from gapo.study import ifeval
+from gapo.study.evaluate import Bench, BenchResult, evaluate, load_benchmark, summary
 
 
 def fake_punkt(root):

@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 from gapo.config import fmt_eps
-from gapo.figures import PlotError, clip_totals, load_run, parse_steps
-from gapo.plot import build_figures, main
+from gapo.study.figures import PlotError, clip_totals, load_run, parse_steps
+from gapo.study.plot import build_figures, main
 
 PNG_SIG = b"\x89PNG\r\n\x1a\n"
 ALL_PNGS = ("clip_by_c.png", "clip_vs_c.png", "is_adv_corr.png", "val_pass.png", "coverage.png", "training.png")
@@ -192,7 +192,7 @@ def test_fmt_eps():
 
 
 def test_python_m_entry_point():
-    r = subprocess.run([sys.executable, "-m", "gapo.plot", "--help"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-m", "gapo.study.plot", "--help"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "RUN_DIR" in r.stdout
 
 

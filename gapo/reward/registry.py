@@ -66,7 +66,7 @@ def invalid_reason(kind: str, problem: Problem) -> tuple[str, str] | None:
             return ("no test cases" if "no test cases" in str(err) or "empty list" in str(err)
                     else "tests unparseable"), str(err)[:300]
         return None if suite.cases else ("no test cases", "the test suite holds no case")
-    return None  # ifeval: its own loader checks its records (gapo.ifeval.prepare)
+    return None  # ifeval: its own loader checks its records (gapo.study.ifeval.prepare)
 
 
 def check_problems(kind: str, problems: list[Problem], source: str) -> tuple[list[Problem], list[Dropped]]:

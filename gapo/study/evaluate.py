@@ -36,7 +36,7 @@ import numpy as np
 import torch.distributed as dist
 from tqdm import tqdm
 
-from gapo import ifeval, rundir
+from gapo import rundir
 from gapo.config import MATH_INSTRUCTION, ConfigError, DataConfig, RewardConfig, load_config
 from gapo.data import Dropped, Problem, arithmetic_problems, build_prompt_ids, load_problems, stop_token_ids
 from gapo.distributed import gather
@@ -44,8 +44,9 @@ from gapo.metrics import coverage, pass_at_k
 from gapo.reward.registry import check_problems, dropped_summary, score_groups
 from gapo.rollout.engine import Engine
 from gapo.rollout.types import SamplingConfig
+from gapo.study import ifeval
 
-log = logging.getLogger("gapo.evaluate")
+log = logging.getLogger("gapo.study.evaluate")
 
 
 @dataclass(frozen=True)
@@ -418,7 +419,8 @@ def parser() -> argparse.ArgumentParser:
                          "of its paper table: qwen_math, llama_math (Table 3), r1_distill_math (Table 1), "
                          "deepcoder (Table 2)")
     ap.add_argument("--benchmarks", default=None,
-                    help="comma-separated specs name[@START:END][=path] (see gapo.evaluate); default: the protocol's")
+                    help="comma-separated specs name[@START:END][=path] (see gapo.study.evaluate); default: the "
+                         "protocol's")
     ap.add_argument("--n", type=int, default=None,
                     help=f"samples per problem (pass@k for k = 1, 2, 4, ... <= n); default: the protocol's, "
                          f"else {FALLBACK['n']}")

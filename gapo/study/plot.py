@@ -29,7 +29,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from gapo import rundir
-from gapo.figures import (
+from gapo.study.figures import (
     ALL_STEPS,
     REF_PREFIX,
     PlotError,

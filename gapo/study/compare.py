@@ -24,7 +24,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from scipy import stats
 
-from gapo.figures import (
+from gapo.study.figures import (
     ALL_STEPS,
     RAW_PREFIX,
     PlotError,
@@ -42,7 +42,7 @@ from gapo.figures import (
     run_style,
     window_text,
 )
-from gapo.plot import TRAINING_PANELS
+from gapo.study.plot import TRAINING_PANELS
 
 LEVEL = 0.95
 _VAL_PASS1 = re.compile(r"^val/(.+)/pass@1$")
