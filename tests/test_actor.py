@@ -4,6 +4,7 @@ travel in fp32, and a non-finite step never reaches the weights."""
 import pytest
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("dtype, stage, nproc, ran_at", [
     ("float32", 3, 1, 0),  # one rank: stage 0, where DeepSpeed itself would apply a NaN step
     ("bfloat16", 3, 1, 1),  # one rank in bf16: stage 1 (fp32 accumulation is refused at stage 0)
@@ -25,6 +26,7 @@ def test_actor_accumulates_in_fp32_and_skips_a_nan_step(torchrun, dtype, stage, 
         assert res["same_end"]
 
 
+@pytest.mark.dist
 def test_zero3_gathers_the_vocab_head_once_per_forward_and_once_per_backward(torchrun):
     """Six logit chunks used to mean six all-gathers of the (tied) head in forward and as many again when
     backward recomputes them (7 and 20 with the embedding's own, measured before the change)."""

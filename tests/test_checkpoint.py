@@ -65,6 +65,7 @@ def base(tmp_path_factory):
     return d
 
 
+@pytest.mark.e2e
 def test_checkpoint_layout_and_pruning(base, tmp_path):
     ck = base / "u1" / "checkpoints"
     assert (ck / "latest").read_text() == "step_000004"
@@ -90,6 +91,7 @@ def test_checkpoint_layout_and_pruning(base, tmp_path):
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == ["step_000004"]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_resume_equals_uninterrupted_at_an_epoch_boundary(base, tmp_path, nproc):
     ref = base / f"u{nproc}"
@@ -109,6 +111,7 @@ def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: fl
     raise AssertionError(f"step {step} never logged")
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_kill_9_mid_step_then_resume_the_same_run(base, tmp_path, nproc):
     out = tmp_path / "k"
@@ -122,6 +125,7 @@ def test_kill_9_mid_step_then_resume_the_same_run(base, tmp_path, nproc):
     assert_same_steps(metrics(base / f"u{nproc}"), metrics(out), [1, 2, 3, 4])
 
 
+@pytest.mark.e2e
 def test_kill_during_checkpoint_write_leaves_the_previous_one(base, tmp_path):
     out = tmp_path / "c"
     r = run(out, env={**ENV, "GAPO_FAULT": "kill_before_rename:4"}, ok=False)
@@ -134,6 +138,7 @@ def test_kill_during_checkpoint_write_leaves_the_previous_one(base, tmp_path):
     assert_same_steps(metrics(base / "u1"), metrics(out), [1, 2, 3, 4])
 
 
+@pytest.mark.e2e
 def test_intervention_keeps_model_optimizer_and_data_position(base, tmp_path):
     """GSPO 3e-3/3e-3 branched into GAPO with eps_hi_max = eps_lo = 3e-3 has the very same loss, so the branch
     must reproduce the parent's steps 3-4 exactly: only possible if weights, Adam moments, LR schedule,
@@ -146,6 +151,7 @@ def test_intervention_keeps_model_optimizer_and_data_position(base, tmp_path):
     assert_same_steps(metrics(base / "u1"), branch, [3, 4])
 
 
+@pytest.mark.e2e
 def test_intervention_changes_the_loss_and_records_its_parent(base):
     parent = base / "u1"
     ckpt = parent / "checkpoints" / "step_000002"
@@ -180,6 +186,7 @@ def test_intervention_changes_the_loss_and_records_its_parent(base):
                                "wandb_id": json.loads((ckpt / "trainer.json").read_text())["wandb_id"]}
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("damage, needle", [
     ("trainer.json", "cannot read trainer.json"),
     ("ds", "ds/state is missing"),
@@ -202,6 +209,7 @@ def test_damaged_checkpoints_give_a_clear_error(base, tmp_path, damage, needle):
     assert r.returncode == 2 and needle in r.stderr, r.stderr[-3000:]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("args, nproc, needle", [
     (["rollout.group_size=4", "trainer.ppo_mini_batch_size=16"], 1, "rollout.group_size: 8 -> 4"),
     (["model.path=smollm2-135m"], 1, "model.path: 'tiny-qwen2' -> 'smollm2-135m'"),
@@ -243,8 +251,8 @@ def test_resume_goes_on_in_the_same_run_directory(tmp_path):
     ck = _fake_run(tmp_path / "r")
     cfg = _cfg(tmp_path / "r", f"trainer.resume_from={tmp_path / 'r'}", "trainer.total_steps=9")
     start = resume_or_branch(cfg, world=1, rank=0)
-    assert (start.ckpt, start.state.step, start.parent, start.branched) == (ck, 2, None, False)
-    assert cfg.trainer.output_dir == str(tmp_path / "r")
+    assert (start.run_dir, start.ckpt, start.state.step, start.parent, start.branched) == (
+        tmp_path / "r", ck, 2, None, False)
 
 
 def test_an_algorithm_change_on_resume_branches_next_to_the_parent(tmp_path):
@@ -253,7 +261,8 @@ def test_an_algorithm_change_on_resume_branches_next_to_the_parent(tmp_path):
     _fake_run(tmp_path / "r")
     cfg = _cfg(tmp_path / "r", f"trainer.resume_from={tmp_path / 'r'}", "algorithm.name=gapo")
     start = resume_or_branch(cfg, world=1, rank=0)
-    assert cfg.trainer.output_dir == f"{tmp_path / 'r'}-gapo-from-step2" and start.branched
+    assert start.run_dir == Path(f"{tmp_path / 'r'}-gapo-from-step2") and start.branched
+    assert cfg.trainer.output_dir == str(tmp_path / "r")  # the config as given: the decision is returned
     assert start.parent == {"run_dir": str(tmp_path / "r"), "step": 2, "algorithm": "gspo", "wandb_id": "w1"}
     # The branch's own directory already holding a run is refused, as for a fresh run.
     (tmp_path / "r-gapo-from-step2").mkdir()
@@ -270,4 +279,4 @@ def test_a_fresh_run_refuses_a_directory_holding_a_run(tmp_path):
     with pytest.raises(ConfigError, match="already holds a run: continue it with --resume"):
         resume_or_branch(_cfg(tmp_path / "r"), world=1, rank=0)
     start = resume_or_branch(_cfg(tmp_path / "fresh"), world=1, rank=0)
-    assert start == (None, None, None, False)
+    assert start == (tmp_path / "fresh", None, None, None, False)

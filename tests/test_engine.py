@@ -87,6 +87,7 @@ EXPECTED_KEYS = {"reward/mean", "reward/correct_frac", "reward/timeout_frac", "r
                  "time/train_s", "time/weight_push_s", "throughput/gen_tokens_per_s"}
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", ["gapo", "gapo_2ranks"])
 def test_run_writes_metrics_config_and_wandb(runs, name):
     run = runs[name]
@@ -106,11 +107,13 @@ def test_run_writes_metrics_config_and_wandb(runs, name):
     assert history[1]["reward/mean"] == pytest.approx(rows[1]["reward/mean"])
 
 
+@pytest.mark.e2e
 def test_same_config_same_metrics(runs):
     strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]  # noqa: E731
     assert strip(metrics(runs["gapo"])) == strip(metrics(runs["gapo_again"]))
 
 
+@pytest.mark.e2e
 def test_two_ranks_sample_the_same_first_step(runs):
     """Sampling seeds are per prompt of the step, not per rank: step 1 (same weights) has identical rollouts."""
     one, two = rollouts(runs["gapo"]), rollouts(runs["gapo_2ranks"])
@@ -119,6 +122,7 @@ def test_two_ranks_sample_the_same_first_step(runs):
     assert {r["rank"] for r in two} == {0, 1}
 
 
+@pytest.mark.e2e
 def test_gapo_and_gspo_differ_exactly_where_their_bounds_differ(runs):
     gapo = [r for r in rollouts(runs["gapo"]) if r["step"] == 1]
     gspo = [r for r in rollouts(runs["gspo"]) if r["step"] == 1]
@@ -141,6 +145,7 @@ def test_gapo_and_gspo_differ_exactly_where_their_bounds_differ(runs):
     assert metrics(runs["gapo"])[0]["clip_frac/high"] < metrics(runs["gspo"])[0]["clip_frac/high"]
 
 
+@pytest.mark.dist
 def test_weight_push_matches_trainer_on_each_rank(torchrun):
     """2 ranks, ZeRO-3: after an update and a bucketed push, vLLM's log-probs of fixed sequences (longer than
     one KV block, cached before the push) equal the trainer's, and the HF engine agrees too."""
@@ -149,6 +154,7 @@ def test_weight_push_matches_trainer_on_each_rank(torchrun):
         assert res["after"] < 1e-4 and res["hf"] < 1e-4, res
 
 
+@pytest.mark.e2e
 def test_hf_engine_trains_end_to_end(tmp_path):
     r = gapo_train(tmp_path / "hf", "rollout.engine=hf", "trainer.total_steps=1", "tracking.mode=disabled")
     assert r.returncode == 0, r.stderr[-4000:]
@@ -156,6 +162,7 @@ def test_hf_engine_trains_end_to_end(tmp_path):
     assert row["logprob_mismatch/max_abs"] < 1e-3 and row["response/len_mean"] > 0
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("args, needle", [
     (["model.path=/no/such/model"], "model.path: '/no/such/model' is neither a directory"),
     (["data.train=/no/such.jsonl"], "data file '/no/such.jsonl' not found"),
@@ -169,6 +176,7 @@ def test_bad_inputs_fail_fast_with_a_message(tmp_path, args, needle):
     assert r.returncode != 0 and needle in r.stderr, r.stderr[-3000:]
 
 
+@pytest.mark.e2e
 def test_missing_field_in_data_file_is_named(tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text('{"problem": "1+1?", "answer": "2"}\n{"question": "2+2?", "answer": "4"}\n')
@@ -176,6 +184,7 @@ def test_missing_field_in_data_file_is_named(tmp_path):
     assert r.returncode == 2 and "item 1 has no field 'problem'" in r.stderr and "question" in r.stderr
 
 
+@pytest.mark.e2e
 def test_a_fresh_run_refuses_a_directory_that_holds_a_run(tmp_path):
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / "metrics.jsonl").write_text('{"step": 1}\n')
@@ -184,6 +193,7 @@ def test_a_fresh_run_refuses_a_directory_that_holds_a_run(tmp_path):
     assert (tmp_path / "old" / "metrics.jsonl").read_text() == '{"step": 1}\n'
 
 
+@pytest.mark.e2e
 def test_other_knobs_run_end_to_end(tmp_path):
     """ZeRO-2, gradient checkpointing, warmup + cosine LR, 2 PPO epochs, reference KL, group filtering,
     truncation masking and engine log-probs as old log-probs, all in one short run."""
@@ -201,6 +211,7 @@ def test_other_knobs_run_end_to_end(tmp_path):
     assert 0 < two["logprob_mismatch/max_abs"] < 1e-3  # measured on the first update's forwards
 
 
+@pytest.mark.e2e
 def test_two_ranks_zero3_with_masked_micro_batches(tmp_path):
     """Filtering uniform groups leaves some micro-batches with no tokens on one rank and not on the other;
     under ZeRO-3 both ranks must still make the same collective calls (no hang), and the run must finish."""
@@ -217,6 +228,7 @@ def test_two_ranks_zero3_with_masked_micro_batches(tmp_path):
     assert len(metrics(out)) == 2
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("stage, nproc", [(3, 1), (3, 2), (2, 2)])
 def test_gradient_accumulates_over_micro_batches_and_ranks(torchrun, stage, nproc):
     """The DeepSpeed step's gradient equals one torch backward over all micro-batches of all ranks.
@@ -226,6 +238,7 @@ def test_gradient_accumulates_over_micro_batches_and_ranks(torchrun, stage, npro
         assert abs(res["torch"] - res["last_micro_only"]) > 1e-3 * res["torch"]  # the check can tell them apart
 
 
+@pytest.mark.dist
 def test_generation_stops_at_the_chat_templates_end_of_turn(tmp_path, torchrun):
     """A base model's generation config stops only at <|endoftext|>; the chat turn ends at <|im_end|>. Without
     the template's end-of-turn as a stop token the model writes past its turn (and a last-\\boxed{} reader
@@ -257,6 +270,7 @@ def test_generation_stops_at_the_chat_templates_end_of_turn(tmp_path, torchrun):
     assert any(ids[-1] == im_end for ids, _ in res["with"])
 
 
+@pytest.mark.e2e
 def test_bad_records_are_dropped_and_a_failing_rewarder_costs_only_its_group(tmp_path):
     """A math file with empty, null, half-empty and blank answers mixed in: the run names what it dropped before
     step 1 and trains on the rest; a rewarder that raises for one problem mid-step (injected) turns that group's

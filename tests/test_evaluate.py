@@ -46,6 +46,7 @@ def test_model_path_resolution(tmp_path):
     assert resolve_eval_model(str(hf)) == hf
 
 
+@pytest.mark.e2e
 def test_gapo_eval_end_to_end_on_two_benchmark_files(tmp_path, small_sums, shared_data):
     math500 = shared_data("math/math500.json")  # first: a skip must come before the engine starts
     out = tmp_path / "eval"
@@ -87,6 +88,7 @@ def test_gapo_eval_end_to_end_on_two_benchmark_files(tmp_path, small_sums, share
     assert res["val/sums/pass@8"] > 0  # the tiny model does solve some small sums
 
 
+@pytest.mark.e2e
 def test_gapo_eval_rejects_unknown_benchmark():
     r = subprocess.run([str(BIN / "gapo-eval"), "--model", "tiny-qwen2", "--benchmarks", "chess"], cwd=ROOT,
                        env=ENV, capture_output=True, text=True, timeout=120)
@@ -159,6 +161,7 @@ def two_runs(tmp_path_factory, small_sums):
     return base / "gapo", base / "gspo"
 
 
+@pytest.mark.e2e
 def test_validation_during_training(two_runs):
     run = two_runs[0]
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -170,6 +173,7 @@ def test_validation_during_training(two_runs):
     assert len(per) == 8 and all(x["n"] == 4 for x in per)
 
 
+@pytest.mark.e2e
 def test_plots_from_two_real_runs(two_runs, tmp_path):
     from gapo.study.figures import load_run
     from gapo.study.plot import build_figures, main

@@ -219,6 +219,7 @@ def concurrent_build(tmp_path_factory):
     return cache, results
 
 
+@pytest.mark.e2e
 def test_two_processes_build_a_builtin_model_once(concurrent_build):
     cache, results = concurrent_build
     for _, err, code in results:
@@ -232,6 +233,7 @@ def test_two_processes_build_a_builtin_model_once(concurrent_build):
     assert not list(models.glob(".tiny-qwen2-*")), "a temporary build directory was left behind"
 
 
+@pytest.mark.e2e
 def test_hf_engine_runs_on_the_cpu_without_cuda(concurrent_build):
     model_dir = concurrent_build[0] / "models" / "tiny-qwen2"
     engine = HFEngine(str(model_dir))

@@ -165,6 +165,7 @@ def train_rows(run: Path) -> list[dict]:
     return [x for x in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "reward/mean" in x]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("config", sorted(p.stem for p in (ROOT / "configs").glob("*.yaml")))
 def test_every_config_rehearses(config, tmp_path):
     r, log = rehearse(config, tmp_path / config)
@@ -186,6 +187,7 @@ def test_every_config_rehearses(config, tmp_path):
     assert "peak per GPU" in (run / "memory_plan.txt").read_text()  # every run logs its plan
 
 
+@pytest.mark.e2e
 def test_intervention_branch_rehearses_from_a_rehearsed_checkpoint(tmp_path):
     out = tmp_path / "gspo"
     r, log = rehearse("gspo_intervention", out)
@@ -201,6 +203,7 @@ def test_intervention_branch_rehearses_from_a_rehearsed_checkpoint(tmp_path):
     assert rows[0]["branch/parent_step"] == 2 and [x["step"] for x in train_rows(branch)] == [3, 4]
 
 
+@pytest.mark.e2e
 def test_deepcoder_rehearses_on_its_three_source_formats(tmp_path):
     """The DeepCoder config as shipped, its three sources swapped for local files in each source's format: they
     load, concatenate, and every rollout is scored by the sandbox (no parse or rewarder errors)."""

@@ -32,6 +32,7 @@ def test_a_budget_that_cannot_hold_one_rollout_is_refused():
                  "trainer": {"max_tokens_per_micro_batch": 100}})
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("stage, nproc", [(3, 1), (2, 2), (3, 2)])
 def test_gradient_is_the_same_whatever_the_split(torchrun, stage, nproc):
     results = torchrun("dist_budget_check.py", str(stage), nproc=nproc)
