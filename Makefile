@@ -1,10 +1,11 @@
-# gapo - common tasks. `make install` builds .venv with the CPU profile; `make test` runs the suite.
+# gapo - common tasks. `make install` builds .venv with the CPU profile; `make test` runs the fast tier (unit tests and
+# one pass through the real stack, minutes); `make test-all` runs every test (CI).
 PY      ?= python3.11
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: install test lint demo demo-compare bench-env bench clean
+.PHONY: install test test-all lint demo demo-compare bench-env bench clean
 
 install: $(STAMP)
 
@@ -23,8 +24,12 @@ $(STAMP): pyproject.toml
 lint: install
 	$(BIN)/ruff check gapo tests bench
 
+# Tiers (tests/conftest.py): unmarked unit tests and the `smoke` tests; `test-all` adds the `e2e` and `dist` tiers.
 test: install lint
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -m "not (e2e or dist) or smoke" tests
+
+test-all: install lint
+	$(BIN)/python -m pytest -q --durations=25 tests
 
 # The CPU demo: SmolLM2-135M learns arithmetic with GAPO (vLLM + DeepSpeed), then the plots.
 demo: install
