@@ -47,7 +47,7 @@ def _guard_launches(self, args, *rest, **kwargs):
     """subprocess.Popen, refusing a launch of the real stack from a test that lacks its tier's marker."""
     words = [str(a) for a in (args if isinstance(args, list | tuple) else [args])]
     item = _current[-1] if _current else None
-    if item is not None and not {"--help", "--print-config"} & set(words):  # those only read a config
+    if item is not None and not {"--help", "--print-config", "--print", "--budget"} & set(words):  # read configs only
         marks = {m.name for m in item.iter_markers()}
         for needle, marker in LAUNCHES:
             if any(needle in w for w in words) and marker not in marks and not (marker == "e2e" and "dist" in marks):

@@ -291,7 +291,7 @@ def test_named_livecodebench_is_deepcoders_v5_cut_and_its_own_window_needs_no_da
     from gapo.config import ConfigError
     from gapo.study.evaluate import load_benchmark
 
-    records = [{"problem": "a", "tests": ONE_CASE, "metadata": "{}"}, {"problem": "b", "tests": ONE_CASE, "metadata": "{}"}]
+    records = [{"problem": x, "tests": ONE_CASE, "metadata": "{}"} for x in ("a", "b")]
     asked = []
 
     def load_dataset(name, subset=None, *, split, **kwargs):

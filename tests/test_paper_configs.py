@@ -192,7 +192,7 @@ def test_intervention_branch_rehearses_from_a_rehearsed_checkpoint(tmp_path):
     out = tmp_path / "gspo"
     r, log = rehearse("gspo_intervention", out)
     assert r.returncode == 0, log
-    ckpt = next((tmp_path / "gspo-rehearsal" / "checkpoints").glob("step_*"))
+    ckpt = sorted((tmp_path / "gspo-rehearsal" / "checkpoints").glob("step_*"))[-1]  # step 2 (step 1 is kept too)
     r, log = rehearse("gspo_intervention", out, "--resume", str(ckpt), "algorithm.name=gapo")
     assert r.returncode == 0 and "# Rehearsal: PASSED" in r.stdout, log
     branch = tmp_path / "gspo-rehearsal-resumed"

@@ -25,6 +25,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import sys
 import zlib
 from collections import Counter
@@ -34,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 import torch.distributed as dist
+import yaml
 from tqdm import tqdm
 
 from gapo import rundir
@@ -326,15 +328,21 @@ def summary(results: list[BenchResult], threshold: float = 0.05) -> dict[str, fl
 
 
 def write_results(results: list[BenchResult], out: Path, meta: dict) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"meta": meta, "metrics": summary(results),
-                                                  "statuses": {r.name: r.statuses for r in results},
-                                                  "dropped": {r.name: r.dropped for r in results}}, indent=1))
-    with open(out / "per_problem.jsonl", "w") as f:
+    """results.json and per_problem.jsonl, written beside `out` and renamed into place: a directory holding a
+    results.json is complete (gapo-eval --run skips it, gapo-compare reads it)."""
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    with open(tmp / "per_problem.jsonl", "w") as f:
         for r in results:
             for uid, c in zip(r.uids, r.correct, strict=True):
                 f.write(json.dumps({"benchmark": r.name, "uid": uid, "correct": c, "n": r.n,
                                     "solve_rate": c / r.n}) + "\n")
+    (tmp / "results.json").write_text(json.dumps({"meta": meta, "metrics": summary(results),
+                                                  "statuses": {r.name: r.statuses for r in results},
+                                                  "dropped": {r.name: r.dropped for r in results}}, indent=1))
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
 
 
 def table(results: list[BenchResult]) -> str:
@@ -412,7 +420,10 @@ def parser() -> argparse.ArgumentParser:
         epilog="Each of --benchmarks, --n, --temperature, --top-p, --max-new-tokens comes from the flag when given, "
                "else from the --protocol config's eval.protocol (a paper table's settings), else from the default "
                "shown. Example: gapo-eval --model runs/qwen_math_gapo --protocol qwen_math (Table 3).")
-    ap.add_argument("--model", required=True, help="HF model dir, gapo checkpoint or run dir, a built-in name, or a "
+    which = ap.add_mutually_exclusive_group(required=True)
+    which.add_argument("--run", metavar="RUN_DIR", help="evaluate this run's checkpoints (--steps) under one engine, "
+                                                        "results in RUN_DIR/eval/NAME/step_N/, skipping steps done")
+    which.add_argument("--model", help="HF model dir, gapo checkpoint or run dir, a built-in name, or a "
                                                    "Hugging Face hub id (e.g. Qwen/Qwen2.5-Math-1.5B)")
     ap.add_argument("--protocol", default=None, metavar="CONFIG",
                     help="a config (name in configs/ or path) whose eval.protocol gives the benchmarks and sampling "
@@ -433,7 +444,13 @@ def parser() -> argparse.ArgumentParser:
                     help="appended to each problem (default: by benchmark kind; never to IFEval's prompts)")
     ap.add_argument("--limit", type=int, default=None, help="first N problems of each benchmark")
     ap.add_argument("--engine", choices=["vllm", "hf"], default="vllm")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    ap.add_argument("--steps", default="last", help="with --run: comma-separated checkpoint steps, 'last' or 'all'")
+    ap.add_argument("--name", default=None, help="with --run: the results' folder under eval/ (default: the --protocol "
+                                                 "config's name, else 'custom')")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                    help="default: the run's model.dtype with --run, else bfloat16")
+    ap.add_argument("--compile", choices=["auto", "cache", "aot", "eager"], default="auto",
+                    help="vLLM's compile mode (rollout.compile)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workers", type=int, default=2, help="reward worker processes")
     ap.add_argument("--out", default=None, help="directory for results.json and per_problem.jsonl")
@@ -446,7 +463,18 @@ def main(argv: list[str] | None = None) -> int:
         note = apply_protocol(args)
         if note:
             print(f"gapo-eval: {note}", file=sys.stderr)
-        model_dir = resolve_eval_model(args.model)
+        if args.run:
+            jobs = run_jobs(args)
+            if not jobs:
+                print(f"gapo-eval: {args.run}: every requested step is evaluated already", file=sys.stderr)
+                return 0
+            model_dir = jobs[0][1]
+        else:
+            model_dir, jobs = resolve_eval_model(args.model), []
+            done = Path(args.out) / "results.json" if args.out else None
+            if done and done.is_file() and json.loads(done.read_text())["meta"].get("settings") == settings(args):
+                print(f"gapo-eval: {done} holds this evaluation already", file=sys.stderr)
+                return 0
         benches = [load_benchmark(s.strip(), args.limit) for s in args.benchmarks.split(",") if s.strip()]
     except ConfigError as err:
         print(f"gapo-eval: {err}", file=sys.stderr)
@@ -459,17 +487,74 @@ def main(argv: list[str] | None = None) -> int:
 
     init_distributed()
     max_pos = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings", 1 << 20)
-    engine = build_engine(args.engine, str(model_dir), dtype=args.dtype, seed=args.seed,
-                          max_model_len=min(max_pos, 4096 + args.max_new_tokens))
+    engine = build_engine(args.engine, str(model_dir), dtype=args.dtype or "bfloat16", seed=args.seed,
+                          max_model_len=min(max_pos, 4096 + args.max_new_tokens), compile=args.compile)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    results = evaluate(engine, tokenizer, benches, n=args.n, temperature=args.temperature, top_p=args.top_p,
-                       max_new_tokens=args.max_new_tokens, instruction=args.instruction,
-                       reward=RewardConfig(num_workers=args.workers), seed=args.seed)
-    print(table(results))
-    if args.out:
-        write_results(results, Path(args.out), {**vars(args), "model": str(model_dir)})
-        print(f"wrote {args.out}/results.json and per_problem.jsonl")
+    for i, (out, hf) in enumerate(jobs or [(Path(args.out) if args.out else None, model_dir)]):
+        if i:  # the next checkpoint of the run: its weights into the same engine, as training pushes them
+            engine.push_weights(checkpoint_weights(hf))
+        results = evaluate(engine, tokenizer, benches, n=args.n, temperature=args.temperature, top_p=args.top_p,
+                           max_new_tokens=args.max_new_tokens, instruction=args.instruction,
+                           reward=RewardConfig(num_workers=args.workers), seed=args.seed)
+        print(f"{hf}:\n{table(results)}" if jobs else table(results))
+        if out is not None:
+            write_results(results, out, {**vars(args), "model": str(hf), "settings": settings(args)})
+            print(f"wrote {out}/results.json and per_problem.jsonl")
     return 0
+
+
+def settings(args: argparse.Namespace) -> dict:
+    """What makes two evaluations of one checkpoint the same: a rerun with these skips the step."""
+    return {k: getattr(args, k) for k in ("benchmarks", "n", "temperature", "top_p", "max_new_tokens", "limit",
+                                          "instruction", "seed")}
+
+
+def run_jobs(args: argparse.Namespace) -> list[tuple[Path, Path]]:
+    """(results directory, hf model) for each requested checkpoint of --run still to evaluate, in step order."""
+    run = Path(args.run)
+    found = rundir.checkpoints(run)
+    if not found:
+        raise ConfigError(f"--run {run}: no complete checkpoint in {run / rundir.CHECKPOINTS}")
+    if args.steps == "all":
+        steps = sorted(found)
+    elif args.steps == "last":
+        steps = [max(found)]
+    else:
+        try:
+            steps = sorted({int(x) for x in args.steps.split(",")})
+        except ValueError:
+            raise ConfigError(f"--steps {args.steps!r}: expected comma-separated steps, 'last' or 'all'") from None
+        missing = [x for x in steps if x not in found]
+        if missing:
+            raise ConfigError(f"--run {run}: no checkpoint of step {', '.join(map(str, missing))} (kept: "
+                              f"{', '.join(map(str, sorted(found)))}; trainer.keep_steps / keep_every keep a step "
+                              "from pruning)")
+    if args.dtype is None:
+        args.dtype = yaml.safe_load((found[steps[0]] / rundir.CONFIG).read_text())["model"]["dtype"]
+    name = args.name or (Path(args.protocol).stem if args.protocol else "custom")
+    jobs = []
+    for step in steps:
+        out = run / rundir.EVAL / name / rundir.step_name(step)
+        done = out / "results.json"
+        if done.is_file():
+            had = json.loads(done.read_text())["meta"].get("settings")
+            if had == settings(args):
+                continue
+            raise ConfigError(f"{done} was evaluated with other settings ({had}); give --name to keep both, or "
+                              "remove it to evaluate again")
+        jobs.append((out, found[step] / "hf"))
+    return jobs
+
+
+def checkpoint_weights(hf: Path):
+    """(name, tensor) of a checkpoint's exported model, tied weights under each of their names (as the trainer
+    streams them: vLLM's reload would otherwise keep the old tied head)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+    for name, p in model.named_parameters(remove_duplicate=False):
+        yield name, p.detach()
 
 
 if __name__ == "__main__":

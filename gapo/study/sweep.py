@@ -1,0 +1,442 @@
+"""gapo-sweep: a paper table or figure as one manifest, runs x seeds, and the commands that make it.
+
+    gapo-sweep FILE --print        one fully resolved gapo-train command per line (any scheduler)
+    gapo-sweep FILE --slurm        a SLURM job-array script per stage (branches wait for their parents), and submit.sh
+    gapo-sweep FILE --run          the runs one after another here: finished ones skipped, interrupted ones resumed
+    gapo-sweep FILE --rehearse     every distinct run of the file (seeds aside) rehearsed on the CPU, branches from
+                                   their parent's rehearsed checkpoint
+    gapo-sweep FILE --eval         gapo-eval --run on every run's checkpoints under the file's protocol (--print: list)
+    gapo-sweep FILE --budget       GPUs, memory plan and estimated GPU-hours per run and in total
+    gapo-compare FILE              then the table (markdown, CSV) and figures from the evaluations
+
+A manifest (experiments/*.yaml) names a config, its runs (overrides, or a branch from another run's checkpoint),
+the seeds, the evaluation protocol and the checkpoint steps it evaluates, and what gapo-compare builds. Each run
+and seed writes to <output_root>/<manifest>/<run>/seed<seed>; the steps to evaluate and the branch points are kept
+from pruning (trainer.keep_steps). See experiments/README.md for the format.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from gapo import rundir
+from gapo.config import Config, ConfigError, load_config
+
+EXPERIMENTS_DIR = Path(__file__).resolve().parents[2] / "experiments"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class BranchFrom(_Strict):
+    run: str = Field(description="The parent run (a name in runs).")
+    step: int = Field(ge=1, description="Its checkpoint to branch from (kept from pruning by the sweep).")
+
+
+class RunSpec(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="Directory name of the run.")
+    label: str | None = Field(None, description="Its row or legend name (default: name).")
+    config: str | None = Field(None, description="Its config, if not the manifest's.")
+    overrides: list[str] = Field(default_factory=list, description="key.path=value, as on gapo-train's command line.")
+    branch: BranchFrom | None = Field(None, alias="from", description="Start from another run's checkpoint.")
+
+
+class Protocol(_Strict):
+    """An evaluation given in the manifest (the tiny CPU manifests); paper manifests name a config's protocol."""
+
+    name: str
+    benchmarks: list[str] = Field(min_length=1)
+    n: int = Field(ge=1)
+    temperature: float = Field(gt=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_new_tokens: int = Field(gt=0)
+    limit: int | None = Field(None, ge=1)
+
+
+class EvalSpec(_Strict):
+    protocol: str | Protocol = Field(description="A config whose eval.protocol is the table's (qwen_math, ...), or "
+                                                 "one given here.")
+    steps: list[int] = Field(min_length=1, description="Checkpoint steps to evaluate; the last one is the table's.")
+    compile: Literal["auto", "cache", "aot", "eager"] = "auto"
+
+
+class CompareSpec(_Strict):
+    metrics: list[int] = Field(default_factory=lambda: [1], description="pass@k columns, e.g. [1, 256].")
+    against: dict[str, list[str]] = Field(default_factory=dict, description="Table 7: a run -> the runs it is "
+                                                                            "compared with (Welch's t-test).")
+    figures: list[Literal["clip_vs_c", "is_adv_corr", "training", "eval_over_steps", "vs_group_size", "branch"]] = \
+        Field(default_factory=list)
+
+
+class Manifest(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    title: str
+    produces: str = Field(description="The paper table or figure this reproduces, e.g. 'Table 3 (Qwen)'.")
+    config: str
+    nproc: int = Field(8, ge=1, description="GPUs (ranks) per run, on one node each unless nodes > 1.")
+    nodes: int = Field(1, ge=1)
+    seeds: list[int] = Field(default_factory=lambda: [0, 1, 2], min_length=1)
+    output_root: str = "runs"
+    runs: list[RunSpec] = Field(min_length=1)
+    base: bool = Field(False, description="Evaluate the config's model before training too: the Base column of "
+                                          "Tables 1 and 2, one evaluation (no seeds).")
+    eval: EvalSpec
+    compare: CompareSpec = Field(default_factory=CompareSpec)
+
+    @model_validator(mode="after")
+    def _runs(self) -> Manifest:
+        names = [r.name for r in self.runs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"runs: names repeat ({', '.join(sorted({n for n in names if names.count(n) > 1}))})")
+        for r in self.runs:
+            if r.branch and r.branch.run not in names:
+                raise ValueError(f"runs.{r.name}.from.run: no run named {r.branch.run!r}")
+            if r.branch and self.run(r.branch.run).branch:
+                raise ValueError(f"runs.{r.name}.from.run: {r.branch.run} is itself a branch (one level only)")
+        labels = {r.label or r.name for r in self.runs}
+        for ours, theirs in self.compare.against.items():
+            for x in [ours, *theirs]:
+                if x not in labels:
+                    raise ValueError(f"compare.against: {x!r} is not a run's label ({', '.join(sorted(labels))})")
+        return self
+
+    def run(self, name: str) -> RunSpec:
+        return next(r for r in self.runs if r.name == name)
+
+    @property
+    def protocol_name(self) -> str:
+        p = self.eval.protocol
+        return p.name if isinstance(p, Protocol) else Path(p).stem
+
+
+def load_manifest(path: str | Path) -> Manifest:
+    """A manifest file, or the name of one in experiments/."""
+    p = Path(path)
+    if not p.is_file():
+        shipped = EXPERIMENTS_DIR / (p.name if p.suffix else f"{p.name}.yaml")
+        if p.parent != Path(".") or not shipped.is_file():
+            raise ConfigError(f"manifest {str(path)!r} not found (nor among the shipped ones in {EXPERIMENTS_DIR})")
+        p = shipped
+    try:
+        raw = yaml.safe_load(p.read_text())
+        return Manifest.model_validate(raw)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{p}: not valid YAML: {err}") from None
+    except ValidationError as err:
+        lines = [(f"{'.'.join(str(x) for x in e['loc'])}: " if e["loc"] else "")
+                 + e["msg"].removeprefix("Value error, ") for e in err.errors()]
+        raise ConfigError(f"{p}: invalid manifest:\n  " + "\n  ".join(lines)) from None
+
+
+@dataclass
+class Job:
+    """One run of one seed: its gapo-train command and where it writes."""
+
+    run: RunSpec
+    seed: int
+    out: Path
+    config: str
+    args: list[str]  # after `gapo-train --config CONFIG --nproc N`, without --resume
+    resume: Path | None  # a branch's parent checkpoint
+    parent: Job | None
+
+    @property
+    def label(self) -> str:
+        return self.run.label or self.run.name
+
+    def command(self, nproc: int, *, rehearse: bool = False, resume: Path | None = None) -> list[str]:
+        resume = resume or self.resume
+        return ["gapo-train", "--config", self.config, "--nproc", str(nproc), *(["--rehearse"] if rehearse else []),
+                *(["--resume", str(resume)] if resume else []), *self.args]
+
+    def resolved(self) -> Config:
+        """The config this job trains with: every command is checked before anything is printed or run."""
+        return load_config(self.config, [*self.args, *([f"trainer.resume_from={self.resume}"] if self.resume else [])])
+
+
+def jobs(m: Manifest, root: str | Path | None = None) -> list[Job]:
+    """Every run x seed, parents before their branches; the kept steps are the evaluated ones and the branch
+    points taken from this run."""
+    base = Path(root or m.output_root) / m.name
+    out: dict[tuple[str, int], Job] = {}
+    for r in sorted(m.runs, key=lambda x: x.branch is not None):
+        branch_points = sorted({b.branch.step for b in m.runs if b.branch and b.branch.run == r.name})
+        keep = sorted(set(m.eval.steps) | set(branch_points))
+        for seed in m.seeds:
+            target = base / r.name / f"seed{seed}"
+            parent = out[(r.branch.run, seed)] if r.branch else None
+            resume = parent.out / rundir.CHECKPOINTS / rundir.step_name(r.branch.step) if parent else None
+            args = [*r.overrides, f"trainer.seed={seed}", f"trainer.output_dir={target}",
+                    f"trainer.keep_steps=[{','.join(map(str, keep))}]"]
+            out[(r.name, seed)] = Job(r, seed, target, r.config or (parent.config if parent else m.config), args,
+                                      resume, parent)
+    return list(out.values())
+
+
+def check(m: Manifest, js: list[Job]) -> None:
+    """Resolve every command (a typo fails here, not hours into a sweep); output directories must be distinct."""
+    seen: dict[str, Job] = {}
+    for j in js:
+        try:
+            cfg = j.resolved()
+        except ConfigError as err:
+            raise ConfigError(f"run {j.run.name} seed {j.seed}: {err}") from None
+        final = cfg.trainer.total_steps
+        if max(m.eval.steps) > final:
+            raise ConfigError(f"eval.steps: {max(m.eval.steps)} is past run {j.run.name}'s trainer.total_steps={final}")
+        if cfg.trainer.output_dir in seen:
+            raise ConfigError(f"runs {seen[cfg.trainer.output_dir].run.name} and {j.run.name} share "
+                              f"{cfg.trainer.output_dir}")
+        seen[cfg.trainer.output_dir] = j
+
+
+def finished(j: Job) -> bool:
+    """The run saved its last step (a complete checkpoint of trainer.total_steps)."""
+    found = rundir.checkpoints(j.out)
+    return bool(found) and max(found) >= load_config(j.config, j.args).trainer.total_steps
+
+
+# ------------------------------------------------------------------------------------------------- actions
+
+
+def print_commands(m: Manifest, js: list[Job]) -> None:
+    for j in js:
+        print(shlex.join(j.command(m.nproc)))
+
+
+def run_local(m: Manifest, js: list[Job], nproc: int) -> int:
+    """One run after another on this machine; a finished run is skipped and an interrupted one resumed, so the
+    same command picks a sweep up where it stopped."""
+    for i, j in enumerate(js, 1):
+        where = f"[{i}/{len(js)}] {j.run.name} seed {j.seed}"
+        if finished(j):
+            print(f"gapo-sweep: {where}: finished, skipped ({j.out})", flush=True)
+            continue
+        resume = j.out if rundir.checkpoints(j.out) else None
+        if resume is None and (j.out / rundir.METRICS).exists():
+            print(f"gapo-sweep: {where}: {j.out} holds a run with no checkpoint to resume; remove it to start over",
+                  file=sys.stderr)
+            return 2
+        cmd = j.command(nproc, resume=resume)
+        print(f"gapo-sweep: {where}: {'resuming' if resume else 'starting'}: {shlex.join(cmd)}", flush=True)
+        code = subprocess.call(_local(cmd))
+        if code:
+            print(f"gapo-sweep: {where} failed (exit {code}); rerun the same command to resume", file=sys.stderr)
+            return code
+    return 0
+
+
+def rehearse(m: Manifest, js: list[Job]) -> int:
+    """Every distinct run once (its first seed), as `gapo-train --rehearse` would run it; a branch from its
+    parent's rehearsed checkpoint (the kept step 1 of 2, see gapo/rehearse.py)."""
+    done: dict[str, Path] = {}
+    for j in (j for j in js if j.seed == m.seeds[0]):
+        resume = None
+        if j.parent is not None:
+            kept = rundir.checkpoints(done[j.parent.run.name])
+            if not kept:
+                print(f"gapo-sweep: the rehearsal of {j.parent.run.name} kept no checkpoint", file=sys.stderr)
+                return 1
+            resume = kept[min(kept)]
+        cmd = j.command(m.nproc, rehearse=True, resume=resume)
+        print(f"gapo-sweep: rehearsing {j.run.name}: {shlex.join(cmd)}", flush=True)
+        code = subprocess.call(_local(cmd))
+        if code:
+            return code
+        done[j.run.name] = Path(f"{j.out}-rehearsal" + ("-resumed" if resume else ""))
+    return 0
+
+
+def eval_commands(m: Manifest, js: list[Job]) -> list[list[str]]:
+    p = m.eval.protocol
+    if isinstance(p, Protocol):
+        spec = ["--benchmarks", ",".join(p.benchmarks), "--n", str(p.n), "--temperature", str(p.temperature),
+                "--top-p", str(p.top_p), "--max-new-tokens", str(p.max_new_tokens),
+                *(["--limit", str(p.limit)] if p.limit else []), "--name", p.name]
+    else:
+        spec = ["--protocol", p]
+    steps = ",".join(map(str, m.eval.steps))
+    cmds = [["gapo-eval", "--run", str(j.out), "--steps", steps, *spec, "--compile", m.eval.compile] for j in js]
+    if m.base:
+        model = load_config(m.config).model
+        cmds.append(["gapo-eval", "--model", model.path, *spec, "--dtype", model.dtype, "--compile", m.eval.compile,
+                     "--out", str(base_results(m, js))])
+    return cmds
+
+
+def base_results(m: Manifest, js: list[Job]) -> Path:
+    """Where the Base row's evaluation goes: next to the runs, under the manifest's directory."""
+    return js[0].out.parent.parent / "base" / rundir.EVAL / m.protocol_name
+
+
+def evaluate_all(m: Manifest, js: list[Job], show: bool) -> int:
+    for cmd in eval_commands(m, js):
+        if show:
+            print(shlex.join(cmd))
+            continue
+        print(f"gapo-sweep: {shlex.join(cmd)}", flush=True)
+        code = subprocess.call(_local(cmd))
+        if code:
+            return code
+    return 0
+
+
+def slurm(m: Manifest, js: list[Job], out_dir: Path) -> list[Path]:
+    """One job-array script per stage (the runs, then the branches, which wait for their parent's task of the same
+    index: --dependency=aftercorr) and submit.sh that submits them in order. Each task runs its command with
+    torchrun on its nodes; a requeued task (preemption, --requeue) starts the same command again, which resumes
+    from the task's latest checkpoint."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stages = [[j for j in js if j.parent is None], [j for j in js if j.parent is not None]]
+    written = []
+    for k, stage in enumerate(s for s in stages if s):
+        script = out_dir / f"{m.name}.{'runs' if k == 0 else 'branches'}.sbatch"
+        # Each task's gapo-train arguments (torchrun sets the ranks: no --nproc), and a branch's parent checkpoint.
+        cmds = "\n".join(f"  {shlex.quote(shlex.join(['--config', j.config, *j.args]))}" for j in stage)
+        outs = "\n".join(f"  {shlex.quote(str(j.out))}" for j in stage)
+        froms = "\n".join(f"  {shlex.quote(str(j.resume or ''))}" for j in stage)
+        kind = "runs" if k == 0 else "branches"
+        script.write_text(f"""#!/bin/bash
+# {m.title} ({m.produces}): {kind}, one array task per run x seed.
+# Submit with submit.sh (next to this file). A task that SLURM requeues (preemption, the time limit) runs the same
+# command again, which resumes from the task's own latest checkpoint.
+#SBATCH --job-name={m.name}-{kind}
+#SBATCH --array=0-{len(stage) - 1}
+#SBATCH --nodes={m.nodes}
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node={m.nproc}
+#SBATCH --cpus-per-task=32
+#SBATCH --requeue
+#SBATCH --signal=B:USR1@300
+#SBATCH --output={out_dir}/%x-%A_%a.out
+set -euo pipefail
+ARGS=(
+{cmds}
+)
+OUTS=(
+{outs}
+)
+FROM=(
+{froms}
+)
+i=$SLURM_ARRAY_TASK_ID
+OUT=${{OUTS[$i]}}
+RESUME=()
+if [ -f "$OUT/checkpoints/latest" ]; then RESUME=(--resume "$OUT")
+elif [ -n "${{FROM[$i]}}" ]; then RESUME=(--resume "${{FROM[$i]}}"); fi
+eval "set -- ${{ARGS[$i]}}"
+HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+srun torchrun --nnodes "$SLURM_NNODES" --nproc_per_node {m.nproc} --rdzv_backend c10d \\
+  --rdzv_endpoint "$HEAD:29500" -m gapo.cli "$@" "${{RESUME[@]}}"
+""")
+        written.append(script)
+    submit = out_dir / "submit.sh"
+    lines = ["#!/bin/bash", f"# Submits {m.name}: the runs, then the branches after their parents.",
+             "set -euo pipefail", 'cd "$(dirname "$0")"', f"RUNS=$(sbatch --parsable {written[0].name})",
+             'echo "runs: $RUNS"']
+    if len(written) > 1:
+        lines += [f"BRANCHES=$(sbatch --parsable --dependency=aftercorr:$RUNS {written[1].name})",
+                  'echo "branches: $BRANCHES (each after its parent task)"']
+    submit.write_text("\n".join(lines) + "\n")
+    return [*written, submit]
+
+
+def budget(m: Manifest, js: list[Job]) -> str:
+    """GPUs, the memory plan's verdict and an estimate of GPU-hours per run, from the config alone.
+
+    Hours are FLOP estimates, not measurements (no GPU has run gapo yet): per step, 2 P T for generation at
+    GEN_MFU, 2 P T (old log-probs) + 6 P T epochs (updates) for training at TRAIN_MFU, with T the step's tokens
+    at mean response length half of max_new_tokens, P the parameters, on H100-class bf16 (PEAK_FLOPS)."""
+    from gapo.memory import memory_plan, param_count
+    from gapo.models import model_facts
+
+    lines = [f"{m.title} ({m.produces}): {len(js)} runs of {m.nproc} GPU(s) x {m.nodes} node(s)", ""]
+    total = 0.0
+    for j in js:
+        cfg = load_config(j.config, j.args)
+        facts = model_facts(cfg.model.path)
+        if not facts:
+            lines.append(f"  {j.run.name} seed {j.seed}: no config.json for {cfg.model.path}: no estimate")
+            continue
+        gpus = m.nproc * m.nodes
+        plan = memory_plan(cfg, facts, gpus)
+        r, t = cfg.rollout, cfg.trainer
+        tokens = r.prompts_per_step * r.group_size * (cfg.data.max_prompt_tokens / 2 + r.max_new_tokens / 2)
+        p = param_count(facts)
+        seconds = t.total_steps * (2 * p * tokens / GEN_MFU + (2 + 6 * t.ppo_epochs) * p * tokens / TRAIN_MFU) \
+            / (PEAK_FLOPS * gpus)
+        if j.parent is not None:
+            seconds *= (t.total_steps - j.run.branch.step) / t.total_steps
+        hours = seconds / 3600 * gpus
+        total += hours
+        lines.append(f"  {j.run.name} seed {j.seed}: {gpus} GPUs, memory plan {plan.total / 2**30:.0f} of 80 GB "
+                     f"({'fits' if plan.fits(80) else 'does NOT fit'}), ~{hours:,.0f} GPU-hours")
+    lines += ["", f"  total ~{total:,.0f} GPU-hours (a FLOP estimate at {GEN_MFU:.0%} MFU for generation, "
+              f"{TRAIN_MFU:.0%} for training, H100 bf16; see gapo.study.sweep.budget)"]
+    return "\n".join(lines)
+
+
+PEAK_FLOPS = 989e12  # H100 SXM dense bf16
+GEN_MFU, TRAIN_MFU = 0.05, 0.35  # assumptions: decoding is memory-bound; training at a typical ZeRO-3 MFU
+
+
+def _local(cmd: list[str]) -> list[str]:
+    """A gapo command run with this interpreter's environment (the venv's entry points)."""
+    exe = Path(sys.executable).parent / cmd[0]
+    return [str(exe) if exe.exists() else cmd[0], *cmd[1:]]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="gapo-sweep", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n")[1])
+    p.add_argument("manifest", help="experiments/NAME.yaml, or NAME")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--print", action="store_true", dest="show", help="print one gapo-train command per run x seed")
+    what.add_argument("--slurm", nargs="?", const="", metavar="DIR",
+                      help="write SLURM array scripts and submit.sh (default DIR: <output_root>/<manifest>/slurm)")
+    what.add_argument("--run", action="store_true", help="run them here, one after another")
+    what.add_argument("--rehearse", action="store_true", help="rehearse every distinct run on the CPU")
+    what.add_argument("--eval", action="store_true", help="evaluate every run's checkpoints (with --list: print)")
+    what.add_argument("--budget", action="store_true", help="GPUs, memory plan and estimated GPU-hours")
+    p.add_argument("--list", action="store_true", help="with --eval: print the gapo-eval commands instead")
+    p.add_argument("--output-root", help="instead of the manifest's output_root (runs)")
+    p.add_argument("--nproc", type=int, help="with --run: ranks per run here (default: the manifest's)")
+    args = p.parse_args(argv)
+    try:
+        m = load_manifest(args.manifest)
+        js = jobs(m, args.output_root)
+        check(m, js)
+        if args.show:
+            print_commands(m, js)
+        elif args.slurm is not None:
+            out = Path(args.slurm) if args.slurm else Path(args.output_root or m.output_root) / m.name / "slurm"
+            for f in slurm(m, js, out):
+                print(f"gapo-sweep: wrote {f}")
+        elif args.run:
+            return run_local(m, js, args.nproc or m.nproc)
+        elif args.rehearse:
+            return rehearse(m, js)
+        elif args.eval:
+            return evaluate_all(m, js, args.list)
+        else:
+            print(budget(m, js))
+    except ConfigError as err:
+        print(f"gapo-sweep: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    sys.exit(main())

@@ -1,0 +1,244 @@
+"""Experiment manifests: every paper table and figure as runs x seeds, their commands, the SLURM scripts, the kept
+checkpoints, the evaluation of a run's checkpoints, and the table built from it. The chain (sweep -> evaluate ->
+table) runs end to end on the tiny manifest, and the intervention manifest rehearses parent -> kept checkpoint ->
+branch."""
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gapo.config import ConfigError, load_config
+from gapo.study.sweep import EXPERIMENTS_DIR, jobs, load_manifest, slurm
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+ENV = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1"}
+MANIFESTS = sorted(p.stem for p in EXPERIMENTS_DIR.glob("*.yaml"))
+PAPER = {"table1_r1": "Table 1", "table2_deepcoder": "Table 2", "table3_qwen": "Table 3 (Qwen", "table3_llama":
+         "Table 3 (Llama", "table8_eps_hi_max": "Table 8", "fig6_group_size": "Fig. 6", "fig7_intervention": "Fig. 7"}
+
+
+def sweep(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "gapo-sweep"), *args], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_every_paper_table_and_figure_has_a_manifest():
+    for name, what in PAPER.items():
+        assert what in load_manifest(name).produces, name
+
+
+@pytest.mark.parametrize("name", MANIFESTS)
+def test_every_manifest_resolves_each_command(name, capsys):
+    """Each command is resolved as gapo-train would (a typo fails here), its output directory is its own, and the
+    evaluated steps and branch points are kept from pruning."""
+    from gapo.study.sweep import main
+
+    assert main([name, "--print"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    m = load_manifest(name)
+    assert len(lines) == len(m.runs) * len(m.seeds)
+    outs = []
+    for line in lines:
+        words = shlex.split(line)
+        over = [w for w in words if "=" in w and not w.startswith("-")]
+        resume = words[words.index("--resume") + 1] if "--resume" in words else None
+        cfg = load_config(words[2], over + ([f"trainer.resume_from={resume}"] if resume else []))
+        outs.append(cfg.trainer.output_dir)
+        assert set(m.eval.steps) <= set(cfg.trainer.keep_steps)
+        assert cfg.trainer.output_dir.startswith(f"runs/{name}/")
+    assert len(set(outs)) == len(outs)
+
+
+def test_table3_qwen_lists_its_methods_times_three_seeds():
+    m = load_manifest("table3_qwen")
+    js = jobs(m)
+    rows = {(j.label, load_config(j.config, j.args).algorithm.name) for j in js}
+    assert len(js) == 8 * 3 and len(rows) == 8  # Table 3's eight Qwen rows
+    algos = {load_config(j.config, j.args).algorithm.model_dump(include={"name", "eps_lo", "eps_hi", "eps_hi_max"})
+             .__repr__() for j in js}
+    assert len(algos) == 8
+    assert sorted({j.seed for j in js}) == [0, 1, 2]
+
+
+def test_readme_and_manifest_commands_never_share_an_output_directory():
+    from test_paper_configs import readme_commands
+
+    dirs = {}
+    for config, overrides in readme_commands():
+        resume = [o for o in overrides if o.startswith("trainer.resume_from")]
+        d = load_config(config, overrides).trainer.output_dir if not resume else None
+        if d:
+            assert d not in dirs, (config, overrides, dirs.get(d))
+            dirs[d] = (config, overrides)
+    for name in MANIFESTS:
+        for j in jobs(load_manifest(name)):
+            d = str(j.out)
+            assert d not in dirs, (name, j.run.name, dirs.get(d))
+            dirs[d] = (name, j.run.name)
+
+
+def test_slurm_scripts_parse_and_branches_wait_for_their_parents(tmp_path):
+    m = load_manifest("fig7_intervention")
+    written = slurm(m, jobs(m), tmp_path)
+    assert [p.name for p in written] == ["fig7_intervention.runs.sbatch", "fig7_intervention.branches.sbatch",
+                                         "submit.sh"]
+    for p in written:
+        r = subprocess.run(["bash", "-n", str(p)], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+    runs, branches, submit = (p.read_text() for p in written)
+    assert "#SBATCH --array=0-2" in runs and "#SBATCH --requeue" in runs and "--gpus-per-node=8" in runs
+    assert "--dependency=aftercorr:$RUNS" in submit
+    # A branch task starts from its parent's step-600 checkpoint, a requeued one from its own latest.
+    assert "runs/fig7_intervention/gspo_asym/seed1/checkpoints/step_000600" in branches
+    assert 'if [ -f "$OUT/checkpoints/latest" ]; then RESUME=(--resume "$OUT")' in branches
+
+
+def test_slurm_script_runs_the_right_command_for_each_task(tmp_path):
+    """The script's task-to-command mapping, executed with stand-ins for srun, torchrun and scontrol."""
+    m = load_manifest("fig7_intervention")
+    js = jobs(m, tmp_path / "runs")
+    _, branches, _ = slurm(m, js, tmp_path / "slurm")
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "srun").write_text('#!/bin/bash\n"$@"\n')
+    (fake / "torchrun").write_text('#!/bin/bash\nprintf "%s\\n" "$@" > "$RECORD"\n')
+    (fake / "scontrol").write_text("#!/bin/bash\necho node1\n")
+    for f in fake.iterdir():
+        f.chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "SLURM_ARRAY_TASK_ID": "1", "SLURM_NNODES": "1",
+           "SLURM_JOB_NODELIST": "node1", "RECORD": str(tmp_path / "args")}
+    assert subprocess.run(["bash", str(branches)], env=env).returncode == 0
+    args = (tmp_path / "args").read_text().split("\n")
+    job = [j for j in js if j.parent is not None][1]
+    assert args[args.index("--resume") + 1] == str(job.resume) and f"trainer.output_dir={job.out}" in args
+    (job.out / "checkpoints").mkdir(parents=True)
+    (job.out / "checkpoints" / "latest").write_text("step_000700")  # requeued after saving step 700
+    assert subprocess.run(["bash", str(branches)], env=env).returncode == 0
+    args = (tmp_path / "args").read_text().split("\n")
+    assert args[args.index("--resume") + 1] == str(job.out)
+
+
+def test_bad_manifests_name_the_field(tmp_path):
+    good = (EXPERIMENTS_DIR / "fig7_intervention.yaml").read_text()
+    for old, new, needle in [("run: gspo_asym, step: 600", "run: gspo, step: 600", "no run named 'gspo'"),
+                             ("[GSPO 3e-3/5e-3]", "[GSPO sym]", "'GSPO sym' is not a run's label"),
+                             ("name: gapo_from_600", "name: gspo_asym", "names repeat (gspo_asym)")]:
+        f = tmp_path / "m.yaml"
+        f.write_text(good.replace(old, new))
+        with pytest.raises(ConfigError, match=re.escape(needle)):
+            load_manifest(f)
+    f.write_text(good.replace("algorithm.name=gapo", "algorithm.nam=gapo"))
+    r = sweep(str(f), "--print")
+    assert r.returncode == 2 and "run gapo_from_600 seed 0" in r.stderr and "algorithm.nam" in r.stderr
+
+
+def test_budget_reports_gpus_memory_and_hours():
+    from gapo.study.sweep import budget
+
+    text = budget(load_manifest("table1_r1"), jobs(load_manifest("table1_r1")))
+    assert "9 runs of 8 GPU(s)" in text and "GPU-hours" in text and "memory plan" in text
+
+
+def _fake_results(root: Path, m, values: dict[tuple[str, int], float]) -> None:
+    for j in jobs(m, root):
+        v = values.get((j.run.name, j.seed))
+        if v is None:
+            continue
+        d = j.out / "eval" / m.protocol_name / f"step_{max(m.eval.steps):06d}"
+        d.mkdir(parents=True)
+        metrics = {"val/arithmetic/pass@1": v, "val/arithmetic/pass@4": min(1.0, 2 * v), "val/mean/pass@1": v,
+                   "val/mean/pass@4": min(1.0, 2 * v)}
+        (d / "results.json").write_text(json.dumps({"meta": {}, "metrics": metrics}))
+
+
+def test_the_table_is_built_from_the_evaluations_with_cis_and_welch(tmp_path):
+    from gapo.study.tables import write
+
+    m = load_manifest("tiny_cpu")
+    _fake_results(tmp_path, m, {("gapo", 0): 0.30, ("gapo", 1): 0.34, ("gspo", 0): 0.10})
+    md = write(m, tmp_path).read_text()
+    # GAPO: 32.0 ± t(0.975, 1) * s / sqrt(2) = 12.706 * 0.02828 / 1.414 = 25.4; GSPO has one seed so far.
+    assert "| GAPO | 3e-3 | 0.05 (adaptive) | 32.0 ± 25.4 / 64.0 ± 50.8 | 32.0 ± 25.4 / 64.0 ± 50.8 |" in md
+    assert "| GSPO | 3e-3 | 3e-3 | 10.0 (n = 1) / 20.0 (n = 1) |" in md
+    assert "## Missing" in md and "gspo seed 1, step 2" in md
+    _fake_results(tmp_path, m, {("gspo", 1): 0.12})
+    md = write(m, tmp_path).read_text()
+    assert "| GAPO vs GSPO | +21.00" in md and "(p = " in md and "## Missing" not in md
+    rows = (tmp_path / "tiny_cpu" / "compare" / "table.csv").read_text().splitlines()
+    assert rows[0] == "method,benchmark,metric,step,seeds,mean,ci95_half_width,values" and len(rows) == 1 + 2 * 2 * 2
+
+
+@pytest.mark.e2e
+@pytest.mark.smoke
+def test_the_chain_sweep_evaluate_table_on_the_tiny_manifest(tmp_path):
+    """2 methods x 2 seeds trained, their kept checkpoints evaluated under the manifest's protocol (one engine per
+    run), the table in the paper's layout; a second pass of each command finds its work done."""
+    root = str(tmp_path / "runs")
+    r = sweep("tiny_cpu", "--run", "--output-root", root)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert r.stdout.count("starting") == 4
+    r = sweep("tiny_cpu", "--eval", "--output-root", root)
+    assert r.returncode == 0, r.stderr[-4000:]
+    m = load_manifest("tiny_cpu")
+    for j in jobs(m, root):
+        res = json.loads((j.out / "eval" / "tiny" / "step_000002" / "results.json").read_text())
+        assert res["meta"]["settings"]["n"] == 4 and 0 <= res["metrics"]["val/arithmetic/pass@1"] <= 1
+        assert res["meta"]["model"] == str(j.out / "checkpoints" / "step_000002" / "hf")
+    r = subprocess.run([str(BIN / "gapo-compare"), "tiny_cpu", "--output-root", root], cwd=ROOT, env=ENV,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    md = (tmp_path / "runs" / "tiny_cpu" / "compare" / "table.md").read_text()
+    for label in ("GAPO", "GSPO"):
+        row = next(x for x in md.splitlines() if x.startswith(f"| {label} |"))
+        assert row.count("±") == 4, row  # two benchmarks columns (arithmetic, mean) x pass@1 / pass@4
+    assert "| GAPO vs GSPO |" in md and "## Missing" not in md
+    assert (tmp_path / "runs" / "tiny_cpu" / "compare" / "clip_vs_c.png").is_file()
+    again = sweep("tiny_cpu", "--run", "--output-root", root)
+    assert again.returncode == 0 and again.stdout.count("finished, skipped") == 4
+    again = sweep("tiny_cpu", "--eval", "--output-root", root)
+    assert again.returncode == 0 and again.stderr.count("evaluated already") == 4
+
+
+@pytest.mark.e2e
+def test_an_interrupted_sweep_resumes_the_run_it_stopped_in(tmp_path):
+    """A sweep killed mid-run: the same command skips the finished run and resumes the interrupted one from its
+    checkpoint (here: the first run finished, the second saved step 1 of 2 and died)."""
+    root = tmp_path / "runs"
+    m = load_manifest("tiny_cpu")
+    first, second = jobs(m, root)[:2]
+    ok = subprocess.run([str(BIN / "gapo-train"), *first.command(1)[1:]], cwd=ROOT, env=ENV, capture_output=True,
+                        text=True, timeout=600)
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    died = subprocess.run([str(BIN / "gapo-train"), *second.command(1)[1:], "trainer.save_every=1"], cwd=ROOT,
+                          env={**ENV, "GAPO_FAULT": "kill_before_rename:2"}, capture_output=True, text=True,
+                          timeout=600)
+    assert died.returncode != 0 and (second.out / "checkpoints" / "step_000001").is_dir()
+    r = sweep("tiny_cpu", "--run", "--output-root", str(root))
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "[1/4] gapo seed 0: finished, skipped" in r.stdout
+    assert f"[2/4] gapo seed 1: resuming: gapo-train --config tiny_cpu --nproc 1 --resume {second.out}" in r.stdout
+    rows = [json.loads(x) for x in (second.out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in rows if "reward/mean" in x] == [1, 2]
+
+
+@pytest.mark.e2e
+def test_the_intervention_manifest_rehearses_parent_kept_checkpoint_branch(tmp_path):
+    """The parent rehearsed (2 steps, its kept step scaled to step 1, kept while step 2 saves with keep_last 1),
+    then the branch rehearsed from that kept checkpoint with the other algorithm."""
+    r = sweep("fig7_intervention", "--rehearse", "--output-root", str(tmp_path), timeout=1200)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.stdout.count("# Rehearsal: PASSED") == 2
+    parent = tmp_path / "fig7_intervention" / "gspo_asym" / "seed0-rehearsal"
+    assert sorted(p.name for p in (parent / "checkpoints").glob("step_*")) == ["step_000001", "step_000002"]
+    branch = tmp_path / "fig7_intervention" / "gapo_from_600" / "seed0-rehearsal-resumed"
+    cfg = load_config(branch / "config.yaml")
+    assert (cfg.algorithm.name, cfg.trainer.resume_from) == ("gapo", str(parent / "checkpoints" / "step_000001"))
+    rows = [json.loads(x) for x in (branch / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["branch/parent_step"] == 1 and [x["step"] for x in rows if "reward/mean" in x] == [2, 3]
