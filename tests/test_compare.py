@@ -104,10 +104,13 @@ def test_report_cells_and_figures(seeds, tmp_path, capsys):
     assert f"| gapo vs gspo | +{100 * (0.3125 - gspo_mean):.2f}{stars} (p = {p:.2g}) |" in val
     assert "At step 10 " in md
     # Training window 3..8: c = 1 clips at 2 of the 6 steps for every seed, of 4 + seed units each step.
+    # A fraction's interval: Student-t on the logit of each seed's (clipped + 0.5) / (units + 1), mapped back.
     fracs = [2 / (6 * (4 + s)) for s in range(3)]
-    m = sum(fracs) / 3
-    sd = math.sqrt(sum((x - m) ** 2 for x in fracs) / 2)
-    assert f"{m:.4g} ± {T_975_DF2 * sd / math.sqrt(3):.4g} (n = 3)" in md
+    z = [math.log(p / (1 - p)) for p in (2.5 / (6 * (4 + s) + 1) for s in range(3))]
+    zm = sum(z) / 3
+    h = T_975_DF2 * math.sqrt(sum((x - zm) ** 2 for x in z) / 2) / math.sqrt(3)
+    lo, hi = (1 / (1 + math.exp(-(zm + d))) for d in (-h, h))
+    assert f"{sum(fracs) / 3:.4g} [{lo:.4g}, {hi:.4g}] (n = 3)" in md
     assert "steps 3–8" in md
     for name in ("clip_by_c.png", "clip_vs_c.png", "is_adv_corr.png", "val_pass.png", "coverage.png", "training.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
@@ -160,3 +163,15 @@ def test_mismatched_benchmarks_are_refused(seeds, tmp_path, capsys):
 def test_bad_group_argument(tmp_path, capsys):
     assert main(["--out", str(tmp_path / "o"), "no_equals_sign", "x=a,b"]) == 2
     assert "LABEL=RUN_DIR" in capsys.readouterr().err
+
+
+def test_a_clip_fractions_interval_stays_within_zero_and_one():
+    """Three seeds that disagree: the Student-t interval of the fractions themselves leaves [0, 1] (the README's
+    figure once drew a bar to 1.75); the logit-scale one cannot."""
+    from gapo.study.compare import ProportionEstimate, ci_half_width
+
+    fracs, counts = (0.0, 0.9, 0.05), ((0, 20), (18, 20), (1, 20))
+    assert sum(fracs) / 3 + ci_half_width(fracs) > 1
+    lo, hi = ProportionEstimate(fracs, counts=counts).interval()
+    assert 0 < lo < sum(fracs) / 3 < hi < 1
+    assert all(math.isnan(x) for x in ProportionEstimate((0.5,)).interval())  # undefined below two seeds

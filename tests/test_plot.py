@@ -16,7 +16,8 @@ from gapo.study.figures import PlotError, clip_totals, load_run, parse_steps
 from gapo.study.plot import build_figures, main
 
 PNG_SIG = b"\x89PNG\r\n\x1a\n"
-ALL_PNGS = ("clip_by_c.png", "clip_vs_c.png", "is_adv_corr.png", "val_pass.png", "coverage.png", "training.png")
+ALL_PNGS = ("is_ratio_by_c.png", "clip_by_c.png", "clip_vs_c.png", "is_adv_corr.png", "val_pass.png", "coverage.png",
+            "training.png")
 K = 4  # group size: clip_frac/c1 .. c3
 
 

@@ -79,6 +79,29 @@ class Estimate:
         return ci_half_width(self.values)
 
 
+@dataclass(frozen=True)
+class ProportionEstimate(Estimate):
+    """A fraction per seed (a clip fraction), whose interval must stay in [0, 1]: a Student-t interval on the
+    logit scale over seeds, mapped back. With three seeds the plain t-interval reached 1.75 on a fraction; this
+    one keeps the between-seed spread (a pooled Wilson interval would treat every rollout of every seed as
+    independent and look far too sure) and is asymmetric near 0 and 1. `counts` (clipped, units) per seed, when
+    known, give each seed's fraction a 0.5 continuity correction, so a seed at exactly 0 or 1 stays finite."""
+
+    counts: tuple[tuple[float, float], ...] = ()
+
+    def interval(self, level: float = LEVEL) -> tuple[float, float]:
+        if self.n < 2:
+            return float("nan"), float("nan")
+        if self.counts:
+            p = np.array([(c + 0.5) / (u + 1.0) for c, u in self.counts])
+        else:
+            p = np.clip(np.asarray(self.values, dtype=float), 1e-3, 1 - 1e-3)
+        z = np.log(p / (1 - p))
+        h = stats.t.ppf((1 + level) / 2, len(z) - 1) * z.std(ddof=1) / math.sqrt(len(z))
+        lo, hi = z.mean() - h, z.mean() + h
+        return float(1 / (1 + math.exp(-lo))), float(1 / (1 + math.exp(-hi)))
+
+
 def ci_half_width(values: Iterable[float], level: float = LEVEL) -> float:
     v = np.asarray(list(values), dtype=float)
     if len(v) < 2:
@@ -192,15 +215,20 @@ def training_estimates(groups: dict[str, list[Run]],
     for label, runs in groups.items():
         rows = []
         for r in runs:
-            row = {f"clip_frac/c{c}": t.frac for c, t in clip_totals(r, window).items()}
+            row = {f"clip_frac/c{c}": (t.frac, (t.clipped, t.units)) for c, t in clip_totals(r, window).items()}
             row |= {key: v for key in WINDOW_METRICS if (v := window_mean(r, key, window)) is not None}
             rows.append(row)
         per_run[label] = rows
     keys = {k for rows in per_run.values() for row in rows for k in row}
     clip_keys = sorted((k for k in keys if k.startswith("clip_frac/c")), key=lambda k: int(k.split("/c")[1]))
     metrics = [k for k in WINDOW_METRICS if k in keys] + clip_keys
-    est = {label: {k: Estimate(tuple(row[k] for row in rows if k in row)) for k in metrics}
-           for label, rows in per_run.items()}
+    def estimate(key: str, rows: list[dict]) -> Estimate:
+        got = [row[key] for row in rows if key in row]
+        if key.startswith("clip_frac/c"):
+            return ProportionEstimate(tuple(v for v, _ in got), counts=tuple(c for _, c in got))
+        return ProportionEstimate(tuple(got)) if key == "clip_frac" else Estimate(tuple(got))
+
+    est = {label: {k: estimate(k, rows) for k in metrics} for label, rows in per_run.items()}
     return metrics, est
 
 
@@ -216,6 +244,9 @@ def estimate_cell(e: Estimate | None, percent: bool) -> str:
         return "–"
     if e.n < 2:
         return f"{_fmt(e.mean, percent)} (n = 1)"
+    if isinstance(e, ProportionEstimate):
+        lo, hi = e.interval()
+        return f"{_fmt(e.mean, percent)} [{_fmt(lo, percent)}, {_fmt(hi, percent)}] (n = {e.n})"
     return f"{_fmt(e.mean, percent)} ± {_fmt(e.half_width, percent)}" + ("" if percent else f" (n = {e.n})")
 
 
@@ -302,23 +333,26 @@ def fig_clip_vs_c(groups: dict[str, list[Run]], window: Window) -> Figure | None
     fig = Figure(figsize=(max(7.0, 1.1 * len(cs) + 3), 4.8), layout="constrained")
     ax = fig.subplots()
     for i, (lab, ts) in enumerate(per_label.items()):
-        x, m, h = [], [], []
+        x, m, lo, hi = [], [], [], []
         for c in cs:
-            vals = [t[c].frac for t in ts if c in t]
-            if vals:
+            got = [t[c] for t in ts if c in t]
+            if got:
+                e = ProportionEstimate(tuple(g.frac for g in got), counts=tuple((g.clipped, g.units) for g in got))
+                a, b = e.interval()
                 x.append(c + 0.06 * (i - (len(per_label) - 1) / 2))  # side by side, not on top of each other
-                m.append(float(np.mean(vals)))
-                h.append(ci_half_width(vals))
+                m.append(e.mean)
+                lo.append(e.mean - a if math.isfinite(a) else 0.0)
+                hi.append(b - e.mean if math.isfinite(b) else 0.0)
         style = run_style(i)
-        ax.errorbar(x, m, yerr=np.nan_to_num(h), capsize=3, linewidth=1.7, label=lab, **style)
+        ax.errorbar(x, m, yerr=np.clip([lo, hi], 0, None), capsize=3, linewidth=1.7, label=lab, **style)
     ax.set_xticks(cs)
     ax.set_xlim(cs[0] - 0.5, cs[-1] + 0.5)
     ax.set_xlabel("c (correct rollouts in the group)")
     ax.set_ylabel("clip fraction, per seed from summed counts")
-    ax.set_ylim(bottom=0)
+    ax.set_ylim(0, 1.02)
     ax.set_title(f"off-policy updates, {window_text(window)}", fontsize=10)
     return finish(fig, _legend_runs(groups), f"Clip fraction of correct rollouts against c (paper Fig. 3)\n"
-                   f"(mean over seeds ± {LEVEL:.0%} CI, Student-t)", step_axis=False)
+                   f"(mean over seeds, {LEVEL:.0%} CI: Student-t on the logit scale, within [0, 1])", step_axis=False)
 
 
 def build_figures(groups: dict[str, list[Run]], window: Window = ALL_STEPS,

@@ -3,10 +3,10 @@
     gapo-plot RUN_DIR [RUN_DIR ...] --out DIR [--labels a,b] [--smooth N] [--steps A:B] [--rollout-steps S,S]
 
 Reads only `metrics.jsonl`, `config.yaml` and, where a run has it, `rollouts.jsonl`, so it works on a live run,
-a finished one, or one copied off a cluster, without torch or wandb. Writes clip_by_c.png (Fig. 3),
-clip_vs_c.png (Fig. 3 over a window of steps), is_adv_corr.png (Fig. 5), val_pass.png (Fig. 4), coverage.png
-(Fig. 8), training.png, an index.md that shows them with what to look for, and per run with rollouts a
-rollouts_<label>.html page of sampled rollouts with their IS ratios and clip decisions.
+a finished one, or one copied off a cluster, without torch or wandb. Writes is_ratio_by_c.png (Fig. 1),
+clip_by_c.png (Fig. 3), clip_vs_c.png (Fig. 3 over a window of steps), is_adv_corr.png (Fig. 5),
+val_pass.png (Fig. 4), coverage.png (Fig. 8), training.png, an index.md that shows them with what to look for,
+and per run with rollouts a rollouts_<label>.html page of sampled rollouts with their IS ratios and clip decisions.
 """
 
 from __future__ import annotations
@@ -102,6 +102,24 @@ def fig_clip_by_c(runs: list[Run], smooth: int = 1) -> Figure:
             no_data(ax, f"clip_frac/c{c}")
     return finish(fig, runs, "Clip fraction of correct rollouts by group success count c, off-policy updates "
                    "(paper Fig. 3)", smooth)
+
+
+def fig_is_ratio_by_c(runs: list[Run], smooth: int = 1) -> Figure:
+    """Fig. 1: the mean sequence IS ratio of the correct rollouts of groups with c correct, per c over steps:
+    before clipping sets in, scarce correct rollouts (low c, large advantage) move their ratio furthest."""
+    cs = sorted({int(k.split("/c")[1]) for r in runs for k in r.series if re.match(r"^is_ratio/c\d+$", k)}) or [1]
+    fig, axes = grid(len(cs), 4, (3.6, 2.8), sharey=True)
+    for ax, c in zip(axes, cs, strict=True):
+        ax.axhline(1.0, color="0.6", linewidth=0.8, label=f"{REF_PREFIX}ratio 1")
+        for i, r in enumerate(runs):
+            plot_series(ax, r.get(f"is_ratio/c{c}"), r.label, i, smooth)
+        ax.set_title(f"c = {c}", fontsize=10)
+        if ax.get_subplotspec().is_first_col():
+            ax.set_ylabel("mean IS ratio, correct rollouts")
+        if not any(r.get(f"is_ratio/c{c}") for r in runs):
+            no_data(ax, f"is_ratio/c{c}")
+    return finish(fig, runs, "IS ratio of correct rollouts by group success count c, off-policy updates "
+                  "(paper Fig. 1)", smooth)
 
 
 def fig_clip_vs_c(runs: list[Run], window: Window = ALL_STEPS) -> Figure | None:
@@ -231,6 +249,10 @@ class FigureSpec:
 
 
 FIGURES = (
+    FigureSpec("is_ratio_by_c.png", "IS ratio by c (Fig. 1)",
+               "Before clipping sets in, the scarce correct rollouts of low-c groups (large advantage) should move "
+               "their IS ratio away from 1 fastest; a fixed bound then cuts them off as early as the abundant ones.",
+               lambda runs, smooth, window: fig_is_ratio_by_c(runs, smooth)),
     FigureSpec("clip_by_c.png", "Clip fraction by c (Fig. 3)",
                "GAPO should clip the scarce correct rollouts of low-c groups less than fixed clipping does, "
                "and the abundant high-c ones at least as much.",
