@@ -34,14 +34,16 @@ test-all: install lint
 # The CPU demo: SmolLM2-135M learns arithmetic with GAPO (vLLM + DeepSpeed), then the plots.
 demo: install
 	rm -rf runs/demo_cpu
-	$(BIN)/gapo-train --config configs/demo_cpu.yaml
+	$(BIN)/gapo-train --config configs/demo_cpu.yaml trainer.output_dir=runs/demo_cpu
 	$(BIN)/gapo-plot runs/demo_cpu --out runs/demo_cpu/plots
 
 # GAPO against GSPO with a symmetric clip (the paper's Figs. 3-5), 3 seeds each, on the demo's task at clip
 # widths the 135M model reaches: a correct rollout's sequence IS ratio moves ~5 % within a step at lr 2e-5, past
 # the paper's 3e-3/5e-3 under both rules. Then gapo-compare (mean ± 95 % CI, Welch) and gapo-plot (rollout pages).
-# About 70 minutes on 2 cores (README); not part of `make test`.
-CMP_SEEDS := 0 1 2
+# About 13 minutes per seed and rule on 2 cores (README); not part of `make test`.
+# Seeds per rule: `make demo-compare SEEDS="0 1 2 3 4"` (at least two: the intervals need a spread).
+SEEDS ?= 0 1 2
+CMP_SEEDS := $(SEEDS)
 CMP_RUN = $(BIN)/gapo-train --config configs/demo_cpu.yaml trainer.total_steps=8 rollout.prompts_per_step=4 \
 	trainer.ppo_mini_batch_size=8 eval.limit=100 eval.n=2 trainer.log_rollouts=true "algorithm.clip_widths.sequence=[0.01,0.08]"
 demo-compare: install

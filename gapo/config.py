@@ -58,7 +58,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     # GRPO (Shao et al. 2024): token IS, symmetric clip, std-normalised advantages.
     "grpo": dict(is_level="token", clip="fixed", shape="sym", std_normalize=True, focal_gamma=0.0,
                  loss_agg="token_mean"),
-    # Dr.GRPO (Liu et al. 2025): no std, constant normaliser; the paper's Table 3 row uses 0.2/0.28.
+    # Dr.GRPO (Liu et al. 2025): no std, constant normaliser; the paper's Table 3 row uses 0.2/0.28. Inferred: the
+    # constant (algorithm.loss_constant) defaults to rollout.max_new_tokens, as Dr.GRPO's own recipe divides by the
+    # generation budget; the GAPO paper does not state it.
     "dr_grpo": dict(is_level="token", clip="fixed", shape="asym", std_normalize=False, focal_gamma=0.0,
                     loss_agg="seq_sum_constant"),
     # DAPO (Yu et al. 2025): clip-higher 0.2/0.28, token-mean over the batch.
@@ -67,7 +69,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     # GSPO (Zheng et al. 2025): sequence IS, symmetric; `algorithm.eps_hi=5e-3` gives the asymmetric run.
     "gspo": dict(is_level="sequence", clip="fixed", shape="sym", std_normalize=False, focal_gamma=0.0,
                  loss_agg="token_mean"),
-    # F-GRPO / F-GSPO (Plyusov et al. 2026): focal advantage shaping (1 - c/k)^gamma on top.
+    # F-GRPO / F-GSPO (Plyusov et al. 2026): focal advantage shaping (1 - c/k)^gamma on top. gamma = 1.0 is ours
+    # (inferred): the GAPO paper says only gamma >= 0, and we could not read F-GRPO's own value from here.
     "f_grpo": dict(is_level="token", clip="fixed", shape="sym", std_normalize=True, focal_gamma=1.0,
                    loss_agg="token_mean"),
     "f_gspo": dict(is_level="sequence", clip="fixed", shape="asym", std_normalize=False, focal_gamma=1.0,

@@ -267,15 +267,16 @@ def cli(argv: list[str] | None = None) -> int:
     from gapo.study import compare
 
     argv = sys.argv[1:] if argv is None else list(argv)
-    first = next((a for a in argv if not a.startswith("-")), "")
-    if "=" in first or not first:
+    if any("=" in a and not a.startswith("-") for a in argv):  # LABEL=RUN,RUN,...
         return compare.main(argv)
     import argparse
 
     from gapo.errors import ConfigError
 
-    p = argparse.ArgumentParser(prog="gapo-compare", description=__doc__.split("\n\n")[0])
-    p.add_argument("manifest")
+    p = argparse.ArgumentParser(prog="gapo-compare", description=__doc__.split("\n\n")[0],
+                                epilog="Without a manifest: gapo-compare --out DIR LABEL=RUN,RUN,... LABEL=RUN,RUN,... "
+                                       "compares run directories' logged metrics (see gapo.study.compare).")
+    p.add_argument("manifest", help="experiments/NAME.yaml, or NAME")
     p.add_argument("--out", type=Path, help="default: <output_root>/<manifest>/compare")
     p.add_argument("--output-root", help="where the sweep wrote its runs (default: the manifest's output_root)")
     args = p.parse_args(argv)
