@@ -70,10 +70,10 @@ def train_main(argv: list[str] | None = None) -> int:
     try:
         run_dir = train(cfg)
     except ConfigError as err:  # bad model path, data file or field: a message, not a traceback
-        console.error(f"gapo-train: {err}")
+        console.error(f"gapo-train: {err}{console.failed_start()}")
         return 2
     except (TrainingDiverged, RewardsFailed) as err:
-        console.error(f"gapo-train: {err}")
+        console.error(f"gapo-train: {err}{console.failed_start()}")
         return 3
     if rank0:
         console.say(console.outputs(run_dir))

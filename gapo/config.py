@@ -398,6 +398,14 @@ class Config(_Section):
         self.shape(1)  # the splits that do not depend on the number of ranks
         return self
 
+    def zero_stage(self, world: int) -> int:
+        """The ZeRO stage DeepSpeed runs at: trainer.zero_stage on several ranks; on one rank nothing is partitioned,
+        so stage 0 in fp32 and stage 1 in bf16 (DeepSpeed accumulates stage-0 bf16 gradients in bf16 and refuses
+        fp32 accumulation there, while its stage-1 bf16 optimizer keeps fp32 gradients)."""
+        if world > 1:
+            return self.trainer.zero_stage
+        return 1 if self.model.dtype == "bfloat16" else 0
+
     def shape(self, world: int) -> BatchShape:
         """How a step's rollouts split on `world` ranks; a split that does not divide is an error naming the
         keys (ZeRO-3 needs every rank to run the same number of forwards)."""

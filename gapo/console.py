@@ -96,7 +96,7 @@ def run_header(cfg: Config, run_dir: Path, world: int) -> str:
     train = d.train if isinstance(d.train, str) else ", ".join(f"{s.source}:{s.subset}" if s.subset else s.source
                                                                 for s in d.train)
     lines = [f"run        {run_dir}" + (f"  (from {t.resume_from})" if t.resume_from else ""),
-             f"model      {m.path} ({m.dtype}), {r.engine} rollouts, {world} rank(s), ZeRO-{t.zero_stage}",
+             f"model      {m.path} ({m.dtype}), {r.engine} rollouts, {_ranks(cfg, world)}",
              f"algorithm  {a.name}: {a.is_level} IS, {a.describe()}, {a.loss_agg}",
              f"data       {train} ({d.type}): {t.total_steps} steps x {r.prompts_per_step} prompts x "
              f"{r.group_size} rollouts, lr {t.lr:g}"]
@@ -106,6 +106,19 @@ def run_header(cfg: Config, run_dir: Path, world: int) -> str:
                      "last step")
     lines.append(f"log        {_log if _console else 'this console (--verbose)'}")
     return "\n".join(lines)
+
+
+def _ranks(cfg: Config, world: int) -> str:
+    stage = cfg.zero_stage(world)
+    if world == 1:
+        return f"1 rank, ZeRO stage {stage} (one rank: nothing to partition)"
+    return f"{world} ranks, ZeRO stage {stage}"
+
+
+def failed_start() -> str:
+    """Where the output of a start that stopped with a message went: kept, so that the run directory is not
+    mistaken for a half-made run (its train.log is the failure's)."""
+    return f"\n(log of this failed start: {_log})" if _console is not None and _attached else ""
 
 
 def step_line(step: int, total: int, m: dict[str, float]) -> str:

@@ -53,6 +53,7 @@ EXAMPLE_CODE = CONFIGS_DIR.parent / "data" / "example_code.jsonl"
 class Plan:
     config: Config  # what the rehearsal trains
     world: int
+    nproc: int  # the real run's ranks
     scaled: list[str]  # "key: real -> rehearsal"
     method: str  # the resolved method, one line
     data_check: str = ""  # the records the rehearsal checked, and how many cannot be scored
@@ -128,7 +129,7 @@ def plan(cfg: Config, nproc: int) -> Plan:
     scale("eval.n", min(ev.n, 2))
     scale("eval.limit", 2)
     scale("trainer.output_dir", f"{t.output_dir}-rehearsal" + ("-resumed" if t.resume_from else ""))
-    return Plan(config=resolve(tree), world=world, scaled=scaled, method=method_row(cfg))
+    return Plan(config=resolve(tree), world=world, nproc=nproc, scaled=scaled, method=method_row(cfg))
 
 
 def _data_sample(cfg: Config, run_dir: Path, p: Plan) -> dict:
@@ -218,8 +219,10 @@ def report(p: Plan, cfg: Config, run_dir: Path, context_limit: int | None) -> tu
              f"- method: {p.method}",
              f"- context: {limit}",
              f"- data: {p.data_check}",
-             f"- steps run: {len(train)} of {STEPS}, on {p.world} rank(s), {cfg.model.dtype}, gradient checkpointing "
-             f"{'on' if cfg.model.gradient_checkpointing else 'off'}, ZeRO stage {cfg.trainer.zero_stage}",
+             f"- steps run: {len(train)} of {STEPS}, on {p.world} rank{'s' if p.world > 1 else ''}"
+             + (f" (the config's --nproc: {p.nproc} -> {p.world} for the rehearsal)" if p.nproc != p.world else "")
+             + f", {cfg.model.dtype}, gradient checkpointing {'on' if cfg.model.gradient_checkpointing else 'off'}, "
+             f"ZeRO stage {p.config.zero_stage(p.world)}",
              f"- first mini-batch IS deviation (max |log pi - log pi_old|, must be 0"
              f"{'' if not r.use_engine_logprobs else '; engine log-probs: the engine/trainer mismatch'}): {dev:g}",
              f"- skipped optimizer steps: {skipped}",

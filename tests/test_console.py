@@ -125,4 +125,12 @@ def test_the_resolved_run_fits_in_a_few_lines(path):
     cfg = load_config(path, ["trainer.resume_from=runs/parent"])
     text = run_header(cfg, Path("runs/x"), world=2)
     assert len(text.splitlines()) <= 6 and "runs/x  (from runs/parent)" in text, text
-    assert f"{cfg.algorithm.name}: {cfg.algorithm.is_level} IS" in text and "2 rank(s)" in text, text
+    assert f"{cfg.algorithm.name}: {cfg.algorithm.is_level} IS" in text and "2 ranks, ZeRO stage 3" in text, text
+
+
+def test_one_rank_says_what_runs():
+    """One rank runs DeepSpeed unpartitioned (stage 0 in fp32, 1 in bf16), whatever trainer.zero_stage says."""
+    fp32, bf16 = load_config("demo_cpu"), load_config("qwen_math")
+    assert "1 rank, ZeRO stage 0 (one rank: nothing to partition)" in run_header(fp32, Path("runs/x"), world=1)
+    assert "1 rank, ZeRO stage 1 (one rank: nothing to partition)" in run_header(bf16, Path("runs/x"), world=1)
+    assert "8 ranks, ZeRO stage 3" in run_header(bf16, Path("runs/x"), world=8)

@@ -233,5 +233,5 @@ def test_print_config_shows_the_memory_plan_and_stays_a_config(config, capsys):
     assert train_main(["--config", config, "--nproc", "8", "--print-config"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"^#   peak per GPU +[\d.]+  of 80.0 GB: fits$", out, re.M), out[-1500:]
-    assert "8 rank(s)" in out
+    assert "8 ranks" in out
     assert resolve(yaml.safe_load(out)) == load_config(config)  # the plan is comments: the YAML is unchanged

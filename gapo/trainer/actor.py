@@ -59,10 +59,8 @@ class Actor:
         bf16 = cfg.model.dtype == "bfloat16"
         # ZeRO partitions weights, gradients and optimizer state across data-parallel ranks; with one rank there
         # is nothing to partition, and stage 3 there only adds its gather/release hooks and flat copies:
-        # +10 s per demo step and +2.3 GiB on the CPU (docs/PERFORMANCE.md). One rank runs stage 0 in fp32, and
-        # stage 1 in bf16: DeepSpeed accumulates stage-0 bf16 gradients in bf16 and refuses fp32 accumulation
-        # there, while its stage-1 bf16 optimizer keeps fp32 gradients (and has nothing to partition either).
-        self.zero_stage = t.zero_stage if self.world > 1 else (1 if bf16 else 0)
+        # +10 s per demo step and +2.3 GiB on the CPU (docs/PERFORMANCE.md); see Config.zero_stage.
+        self.zero_stage = cfg.zero_stage(self.world)
         if self.zero_stage != t.zero_stage:
             log.info("trainer.zero_stage=%d with one rank: running DeepSpeed at stage %d (nothing to partition)",
                      t.zero_stage, self.zero_stage)
