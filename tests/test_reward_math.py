@@ -356,3 +356,13 @@ def test_status_counts_for_metrics() -> None:
                RewardResult.of("timeout")]
     assert status_counts(results) == {"correct": 1, "wrong": 1, "no_answer": 0, "timeout": 2, "error": 0,
                                       "unisolated": 1}
+
+
+@pytest.mark.parametrize("response, boxed", [
+    # An escaped brace is text, not a group: counting it would end the box early (the first) or never (the second).
+    ("So \\boxed{\\left\\{ x \\mid x>0 \\right.} holds.", "\\left\\{ x \\mid x>0 \\right."),
+    ("The set is \\boxed{\\{1,2\\}}.", "\\{1,2\\}"),
+    ("\\boxed{\\}} then \\boxed{a\\{b}", "a\\{b"),
+])
+def test_escaped_braces_do_not_count_as_the_boxes_braces(response, boxed):
+    assert extract_answer(response) == boxed
