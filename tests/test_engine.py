@@ -99,6 +99,7 @@ def test_run_writes_metrics_config_and_wandb(runs, name):
         assert 0 < row["entropy"] < 6 and row["grad_norm"] > 0  # mean over the step's optimizer steps
     # After a real update and weight push, the engine samples from the trainer's policy (fp32).
     assert rows[1]["logprob_mismatch/max_abs"] < 1e-3
+    assert 0 < rows[0]["time/startup_s"] < 600 and "time/startup_s" not in rows[1]  # once per process
     assert rows[1]["approx_kl"] > 0
     cfg = (run / "config.yaml").read_text()
     assert "eps_hi_max: 0.05" in cfg and "name: gapo" in cfg

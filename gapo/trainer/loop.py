@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -69,6 +70,16 @@ def check_rewards(results: list[RewardResult], max_error_frac: float, step: int,
         raise RewardsFailed(f"step {step}: {errors} of {total} rollouts could not be scored (status error; "
                             f"reward.max_error_frac={max_error_frac}): the rewarder is failing, see the errors "
                             "logged above in train.log")
+
+
+def process_age() -> float:
+    """Seconds since this process started (Linux: /proc), for the first step's time/startup_s: imports, model,
+    data, vLLM's compile and the actor, the wait before a run does anything."""
+    with open("/proc/self/stat") as f:
+        ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime, in clock ticks after boot
+    with open("/proc/stat") as f:
+        boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+    return time.time() - (boot + ticks / os.sysconf("SC_CLK_TCK"))
 
 
 def request_seed(seed: int, step: int, prompt_index: int) -> int:
@@ -200,6 +211,7 @@ def train(cfg: Config) -> Path:
     if s.benches and s.first_step == 1:
         validate(0)
     skipped_in_a_row = 0
+    startup_s = process_age()  # process start to the first step (the step-0 validation included)
     for step in tqdm(range(s.first_step, t.total_steps + 1), desc="steps", disable=rank != 0,
                      initial=s.first_step - 1, total=t.total_steps, file=console.terminal()):
         timings: dict[str, float] = {}
@@ -268,8 +280,10 @@ def train(cfg: Config) -> Path:
         parts = gather(mine_step)
         if rank == 0:
             metrics = step_metrics(parts, a.is_level, up.grad_norm, actor.lr(), a.correct_threshold)
-            if s.parent and step == s.first_step:
-                metrics["branch/parent_step"] = s.parent["step"]
+            if step == s.first_step:
+                metrics["time/startup_s"] = startup_s
+                if s.parent:
+                    metrics["branch/parent_step"] = s.parent["step"]
             # Everything the step cost on rank 0 (phases + packing, metric gathering), before validation/saving.
             metrics["time/step_wall_s"] = time.perf_counter() - step_tic
             tracker.log(step, metrics)
