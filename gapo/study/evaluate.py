@@ -421,8 +421,9 @@ def parser() -> argparse.ArgumentParser:
                "else from the --protocol config's eval.protocol (a paper table's settings), else from the default "
                "shown. Example: gapo-eval --model runs/qwen_math_gapo --protocol qwen_math (Table 3).")
     which = ap.add_mutually_exclusive_group(required=True)
-    which.add_argument("--run", metavar="RUN_DIR", help="evaluate this run's checkpoints (--steps) under one engine, "
-                                                        "results in RUN_DIR/eval/NAME/step_N/, skipping steps done")
+    which.add_argument("--run", metavar="RUN_DIR", nargs="+",
+                       help="evaluate these runs' checkpoints (--steps), one after another under one engine (runs of "
+                            "one model architecture), results in RUN_DIR/eval/NAME/step_N/, skipping steps done")
     which.add_argument("--model", help="HF model dir, gapo checkpoint or run dir, a built-in name, or a "
                                                    "Hugging Face hub id (e.g. Qwen/Qwen2.5-Math-1.5B)")
     ap.add_argument("--protocol", default=None, metavar="CONFIG",
@@ -464,9 +465,13 @@ def main(argv: list[str] | None = None) -> int:
         if note:
             print(f"gapo-eval: {note}", file=sys.stderr)
         if args.run:
-            jobs = run_jobs(args)
+            jobs = []
+            for run in args.run:
+                todo = run_jobs(args, Path(run))
+                if not todo:
+                    print(f"gapo-eval: {run}: every requested step is evaluated already", file=sys.stderr)
+                jobs += todo
             if not jobs:
-                print(f"gapo-eval: {args.run}: every requested step is evaluated already", file=sys.stderr)
                 return 0
             model_dir = jobs[0][1]
         else:
@@ -509,9 +514,8 @@ def settings(args: argparse.Namespace) -> dict:
                                           "instruction", "seed")}
 
 
-def run_jobs(args: argparse.Namespace) -> list[tuple[Path, Path]]:
-    """(results directory, hf model) for each requested checkpoint of --run still to evaluate, in step order."""
-    run = Path(args.run)
+def run_jobs(args: argparse.Namespace, run: Path) -> list[tuple[Path, Path]]:
+    """(results directory, hf model) for each requested checkpoint of a run still to evaluate, in step order."""
     found = rundir.checkpoints(run)
     if not found:
         raise ConfigError(f"--run {run}: no complete checkpoint in {run / rundir.CHECKPOINTS}")

@@ -258,7 +258,9 @@ def rehearse(m: Manifest, js: list[Job]) -> int:
     return 0
 
 
-def eval_commands(m: Manifest, js: list[Job]) -> list[list[str]]:
+def eval_commands(m: Manifest, js: list[Job], together: bool = False) -> list[list[str]]:
+    """gapo-eval commands: one per run (to spread over a cluster), or `together`, one for all runs (one engine
+    start, each checkpoint's weights pushed into it: what a single machine should do)."""
     p = m.eval.protocol
     if isinstance(p, Protocol):
         spec = ["--benchmarks", ",".join(p.benchmarks), "--n", str(p.n), "--temperature", str(p.temperature),
@@ -267,7 +269,9 @@ def eval_commands(m: Manifest, js: list[Job]) -> list[list[str]]:
     else:
         spec = ["--protocol", p]
     steps = ",".join(map(str, m.eval.steps))
-    cmds = [["gapo-eval", "--run", str(j.out), "--steps", steps, *spec, "--compile", m.eval.compile] for j in js]
+    groups = [js] if together else [[j] for j in js]
+    cmds = [["gapo-eval", "--run", *(str(j.out) for j in g), "--steps", steps, *spec, "--compile", m.eval.compile]
+            for g in groups]
     if m.base:
         model = load_config(m.config).model
         cmds.append(["gapo-eval", "--model", model.path, *spec, "--dtype", model.dtype, "--compile", m.eval.compile,
@@ -281,7 +285,7 @@ def base_results(m: Manifest, js: list[Job]) -> Path:
 
 
 def evaluate_all(m: Manifest, js: list[Job], show: bool) -> int:
-    for cmd in eval_commands(m, js):
+    for cmd in eval_commands(m, js, together=not show):
         if show:
             print(shlex.join(cmd))
             continue
