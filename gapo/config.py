@@ -94,6 +94,35 @@ PRESET_SWITCHES = ("is_level", "clip", "eps_lo", "eps_hi", "eps_hi_max", "std_no
                    "focal_gamma", "loss_agg")
 
 
+class RolloutCorrection(_Section):
+    """Correction for the sampler-trainer mismatch (off by default; the paper uses none). The rollouts are drawn
+    from vLLM's pi_rollout, not from the trainer's pi_old; r = pi_old / pi_rollout per token (log-ratio clamped
+    to +-20 before exp) weights or masks each token's loss, detached. The PPO ratio pi_theta / pi_old and every
+    clip rule (GAPO's adaptive bound, GSPO's sequence ratio, token PPO, CISPO's weight) act exactly as without
+    it: the weight multiplies the clipped surrogate's per-token term. Masked tokens leave the loss and the
+    step's normaliser (they count as not sampled), so masking does not scale the others' gradient down."""
+
+    mode: Literal["off", "truncate", "mask", "reject"] = Field(
+        "off", description="truncate: weight min(r, cap) (TIS); mask: tokens (sequences) whose ratio is outside "
+                           "[mask_low, mask_high] get no gradient, the others weight r (MIS, IcePop); reject: "
+                           "sequences (tokens) whose k3 sampler-trainer KL estimate exceeds kl_max are dropped, the "
+                           "others weight 1.")
+    level: Literal["token", "sequence"] = Field(
+        "token", description="token: per-token ratio; sequence: truncate by the product of the ratios (sum of "
+                             "log-ratios), mask by their geometric mean, reject by the sequence's mean k3.")
+    cap: float = Field(2.0, gt=0.0, description="truncate: the largest weight (C).")
+    mask_low: float = Field(0.5, ge=0.0, description="mask: the smallest ratio kept.")
+    mask_high: float = Field(2.0, gt=0.0, description="mask: the largest ratio kept.")
+    kl_max: float = Field(1e-3, gt=0.0, description="reject: the largest k3 estimate (r - 1 - log r) kept.")
+
+    @model_validator(mode="after")
+    def _band(self) -> RolloutCorrection:
+        if self.mask_low >= self.mask_high:
+            raise ValueError(f"algorithm.rollout_correction: mask_low={self.mask_low} must be below "
+                             f"mask_high={self.mask_high}")
+        return self
+
+
 class AlgorithmConfig(_Section):
     """The loss. Switch fields default to None and are filled from the preset named by `name`."""
 
@@ -121,6 +150,9 @@ class AlgorithmConfig(_Section):
     clip_widths: dict[IsLevel, tuple[float, float]] = Field(
         default_factory=lambda: dict(DEFAULT_CLIP_WIDTHS),
         description="(eps_lo, eps_hi_max) per IS level for this model: where presets take their widths.")
+    rollout_correction: RolloutCorrection = Field(
+        default_factory=RolloutCorrection, description="Weights or masks for the sampler-trainer mismatch "
+                                                       "(pi_old / pi_rollout); off in the paper's configs.")
 
     @model_validator(mode="after")
     def _bounds(self) -> AlgorithmConfig:
@@ -388,6 +420,10 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _batch_shapes(self) -> Config:
+        if self.algorithm.rollout_correction.mode != "off" and self.rollout.use_engine_logprobs:
+            raise ValueError("algorithm.rollout_correction needs the trainer's own old log-probs: with "
+                             "rollout.use_engine_logprobs=true pi_old is the engine's, so every ratio "
+                             "pi_old / pi_rollout is 1 and the correction would do nothing")
         if self.rollout.sleep_between_steps and self.rollout.engine != "vllm":
             raise ValueError("rollout.sleep_between_steps=true needs rollout.engine=vllm (GPU only)")
         longest = self.data.max_prompt_tokens + self.rollout.max_new_tokens

@@ -306,3 +306,19 @@ def test_bad_records_are_dropped_and_a_failing_rewarder_costs_only_its_group(tmp
     assert all(u["is_ratio"] == 1.0 and u["clip_hi_tokens"] == 0 for x in failed for u in x["updates"])
     moved = [u["is_ratio"] for x in rollouts(out) if x["problem"] != victim for u in x["updates"][1:]]
     assert moved and any(v != 1.0 for v in moved)
+
+
+@pytest.mark.e2e
+def test_a_neutral_correction_trains_exactly_as_none(runs, tmp_path):
+    """The rollout-correction code path with weights of exactly 1 and nothing masked (reject, kl_max huge) gives
+    the metrics of the run without it, to the bit: weights, masking and the normaliser change nothing they should
+    not. Its own metrics say it kept every token."""
+    out = tmp_path / "neutral"
+    r = gapo_train(out, *WIDE, "algorithm.rollout_correction.mode=reject", "algorithm.rollout_correction.kl_max=1e9")
+    assert r.returncode == 0, r.stderr[-4000:]
+    strip = lambda rows: [{k: v for k, v in x.items() if not k.startswith((*TIMING, "rollout_is/"))}  # noqa: E731
+                          for x in rows]
+    assert strip(metrics(out)) == strip(metrics(runs["gapo"]))
+    for row in metrics(out):
+        assert row["rollout_is/masked_token_frac"] == 0.0 and row["rollout_is/weight_max"] == 1.0
+        assert row["logprob_mismatch/kl_k3"] >= 0 and "logprob_mismatch/pos5" in row

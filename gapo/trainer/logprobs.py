@@ -60,6 +60,7 @@ class MicroBatch:
     engine_logp: Tensor | None = None  # [B, T] the engine's log-probs of the sampled tokens (0 on padding)
     old_logp: Tensor | None = None  # [B, T] log pi_old: set by the old-log-prob pass (or the engine's)
     ref_logp: Tensor | None = None  # [B, T] the reference policy's: set when there is a KL penalty
+    rollout_w: Tensor | None = None  # [B, T] sampler-trainer correction weights (algorithm.rollout_correction)
 
     @classmethod
     def pack(cls, prompts: list[list[int]], responses: list[list[int]], pad_id: int, *,

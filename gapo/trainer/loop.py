@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import random
 import time
@@ -41,12 +42,15 @@ from gapo.trainer import checkpoint
 from gapo.trainer.actor import Actor
 from gapo.trainer.logprobs import MicroBatch, pack_step
 from gapo.trainer.losses import (
+    MismatchStats,
     RolloutStats,
     StepNorm,
     clip_high,
     group_advantages,
     kl_penalty,
+    mismatch_stats,
     policy_loss,
+    rollout_weights,
 )
 from gapo.trainer.step_metrics import RankStep, step_metrics
 
@@ -274,12 +278,14 @@ def train(cfg: Config) -> Path:
                              lengths=[len(x.response_ids) for x in rollouts], truncated=[x.truncated for x in rollouts],
                              mismatch=torch.cat(old.mismatch + up.mismatch), entropy_sum=old.entropy_sum,
                              kl_ref_sum=old.kl_ref_sum, first_dev=torch.cat(up.first_dev),
+                             per_rollout_mismatch=MismatchStats.cat(old.per_rollout) if old.per_rollout else None,
                              off_policy=torch.cat(up.off_policy), skipped=up.skipped,
                              tokens=float(sum(float(mb.resp_mask.sum()) for mini in minis for mb in mini)),
                              timings=timings, records=records)
         parts = gather(mine_step)
         if rank == 0:
-            metrics = step_metrics(parts, a.is_level, up.grad_norm, actor.lr(), a.correct_threshold)
+            metrics = step_metrics(parts, a.is_level, up.grad_norm, actor.lr(), a.correct_threshold,
+                                   correction=a.rollout_correction.mode != "off")
             if step == s.first_step:
                 metrics["time/startup_s"] = startup_s
                 if s.parent:
@@ -313,13 +319,17 @@ class OldLogprobs:
     entropy_sum: float  # summed over response tokens (the step metric divides by all ranks' tokens)
     kl_ref_sum: float
     mismatch: list[Tensor]  # trainer - engine log-prob per response token, one tensor per micro-batch
+    per_rollout: list[MismatchStats]  # the same per rollout, and what the rollout correction did
 
 
 def old_logprobs(actor: Actor, mbs: list[MicroBatch], cfg: Config) -> OldLogprobs:
     """Fills each micro-batch's old_logp (and ref_logp with a KL penalty) without gradient: the trainer's
-    recomputation, or the engine's own log-probs with rollout.use_engine_logprobs."""
+    recomputation, or the engine's own log-probs with rollout.use_engine_logprobs. With a rollout correction,
+    also its weights (rollout_w), and the tokens it masks leave resp_mask: the step's normaliser is counted
+    after this, so they leave it too."""
     r, a = cfg.rollout, cfg.algorithm
-    out = OldLogprobs(0.0, 0.0, [])
+    rc = a.rollout_correction
+    out = OldLogprobs(0.0, 0.0, [], [])
     actor.engine.train()  # one mode for both passes: the update must recompute exactly these old log-probs
     with torch.no_grad():
         for mb in mbs:
@@ -331,6 +341,14 @@ def old_logprobs(actor: Actor, mbs: list[MicroBatch], cfg: Config) -> OldLogprob
                 mb.old_logp, ent = actor.engine(mb, r.temperature, entropy=True)
                 out.mismatch.append((mb.old_logp - mb.engine_logp)[m].cpu())
                 out.entropy_sum += float(ent[m].sum())
+                w = keep = None
+                if rc.mode != "off":
+                    w, keep = rollout_weights(mb.old_logp, mb.engine_logp, mb.resp_mask, rc)
+                    mb.rollout_w = w
+                out.per_rollout.append(mismatch_stats(mb.old_logp, mb.engine_logp, mb.resp_mask, mb.c, w, keep,
+                                                      rc.cap if rc.mode == "truncate" else math.inf))
+                if keep is not None:
+                    mb.resp_mask = mb.resp_mask * keep
             if a.kl_coef > 0:
                 mb.ref_logp = actor.ref_engine(mb, r.temperature)[0]
                 out.kl_ref_sum += float(kl_penalty(mb.old_logp, mb.ref_logp, mb.resp_mask, StepNorm(1.0, 1.0)))

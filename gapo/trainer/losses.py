@@ -17,6 +17,7 @@ data-parallel ranks) gives exactly the loss of the whole step, whatever the spli
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
@@ -24,7 +25,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:  # type hints only: this module needs torch alone
-    from gapo.config import AlgorithmConfig, IsLevel
+    from gapo.config import AlgorithmConfig, IsLevel, RolloutCorrection
     from gapo.trainer.logprobs import MicroBatch
 
 # exp(±20) spans [2e-9, 5e8]. A log-ratio past that only comes from a numerically broken step; clamping
@@ -173,6 +174,8 @@ def policy_loss(logp: Tensor, batch: MicroBatch, norm: StepNorm, algo: Algorithm
         clip_hi = (a > 0) & (rho.detach() > hi)
         clip_lo = (a < 0) & (rho.detach() < lo)
 
+    if batch.rollout_w is not None:  # sampler-trainer correction: detached, after clipping (see rollout_weights)
+        per_tok = per_tok * batch.rollout_w.to(per_tok.dtype)
     if algo.loss_agg == "token_mean":
         loss = (per_tok * mask).sum() / norm.tokens
     elif algo.loss_agg == "seq_mean_token_mean":
@@ -194,6 +197,135 @@ def policy_loss(logp: Tensor, batch: MicroBatch, norm: StepNorm, algo: Algorithm
                              clip_hi_tokens=(clip_hi * mask).sum(-1).float().cpu(),
                              clip_lo_tokens=(clip_lo * mask).sum(-1).float().cpu(), kl_sum=k3.sum(-1).float().cpu())
     return loss, stats
+
+
+# --------------------------------------------------------------------------------------------------
+# Sampler-trainer mismatch (rollout correction)
+# --------------------------------------------------------------------------------------------------
+def rollout_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, rc: RolloutCorrection
+                    ) -> tuple[Tensor, Tensor]:
+    """Weights w [B, T] (detached, 0 off the loss) and keep [B, T] (bool: the token stays in the loss and the
+    normaliser) from r = pi_old / pi_rollout, the trainer's log-prob of each sampled token against the engine's.
+
+        truncate  token: w = min(r, cap)                 sequence: w = min(prod r, cap) on every token
+        mask      token: keep r in [lo, hi], w = r       sequence: keep if geomean(r) in [lo, hi], w = geomean
+        reject    token: keep k3(r) <= kl_max, w = 1     sequence: keep if mean k3 <= kl_max, w = 1
+
+    with k3(r) = r - 1 - log r, the sampler-trainer KL estimate. Log-ratios are clamped to +-MAX_LOG_RATIO
+    before exp (a product over a long response saturates at `cap`, never at inf); an empty response keeps no
+    token. Masking keeps the ratio as weight inside the band (masked IS): the tokens that are kept are still
+    reweighted toward pi_old, and only those whose ratio is untrustworthy lose their gradient.
+    """
+    m = mask.bool()
+    log_r = ((old_logp - rollout_logp) * mask).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)  # [B, T]
+    n = mask.sum(-1).clamp(min=1)  # [B]
+    if rc.level == "token":
+        r = torch.exp(log_r)
+        if rc.mode == "truncate":
+            w, keep = r.clamp(max=rc.cap), m
+        elif rc.mode == "mask":
+            w, keep = r, m & (r >= rc.mask_low) & (r <= rc.mask_high)
+        elif rc.mode == "reject":
+            w, keep = torch.ones_like(r), m & (r - 1 - log_r <= rc.kl_max)
+        else:
+            raise ValueError(f"rollout correction mode {rc.mode!r}")
+    else:
+        total = log_r.sum(-1)  # [B] log of the product of the ratios
+        if rc.mode == "truncate":
+            seq, ok = torch.exp(total.clamp(max=math.log(rc.cap))), torch.ones_like(total, dtype=torch.bool)
+        elif rc.mode == "mask":
+            seq = torch.exp(total / n)
+            ok = (seq >= rc.mask_low) & (seq <= rc.mask_high)
+        elif rc.mode == "reject":
+            k3 = ((torch.exp(log_r) - 1 - log_r) * mask).sum(-1) / n
+            seq, ok = torch.ones_like(total), k3 <= rc.kl_max
+        else:
+            raise ValueError(f"rollout correction mode {rc.mode!r}")
+        w, keep = seq[:, None].expand_as(log_r), m & ok[:, None]
+    return torch.where(keep, w, torch.zeros_like(w)).detach(), keep
+
+
+POSITION_BINS = 5  # the mismatch's profile along a response: fifths of its length
+
+
+@dataclass
+class MismatchStats:
+    """Per-rollout sums of the sampler-trainer mismatch (log r = log pi_old - log pi_rollout) over its response
+    tokens, and what the correction did to them; concatenated over a step, they give exact step metrics."""
+
+    c: Tensor  # [B] correct rollouts in its group
+    n_tokens: Tensor  # [B]
+    k1_sum: Tensor  # [B] sum of -log r: KL(pi_rollout || pi_old), k1 estimate
+    k3_sum: Tensor  # [B] sum of r - 1 - log r: the same KL, k3 estimate (non-negative)
+    abs_first: Tensor  # [B] |log r| of the first response token (0 when empty)
+    abs_last: Tensor  # [B] |log r| of the last
+    pos_abs: Tensor  # [B, POSITION_BINS] sum of |log r| per fifth of the response
+    pos_tokens: Tensor  # [B, POSITION_BINS]
+    kept: Tensor  # [B] tokens left in the loss by the correction (= n_tokens when off)
+    capped: Tensor  # [B] tokens whose weight the cap truncated
+    w_sum: Tensor  # [B] sum of the kept tokens' weights
+    w_max: Tensor  # [B]
+
+    @classmethod
+    def cat(cls, parts: list[MismatchStats]) -> MismatchStats:
+        return cls(**{f.name: torch.cat([getattr(p, f.name) for p in parts]) for f in fields(cls)})
+
+
+def mismatch_stats(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, c: Tensor, w: Tensor | None = None,
+                   keep: Tensor | None = None, cap: float = math.inf) -> MismatchStats:
+    """The per-rollout sums behind the logprob_mismatch/* and rollout_is/* metrics (w, keep: the correction's)."""
+    with torch.no_grad():
+        mask = mask.float()
+        d = ((old_logp - rollout_logp) * mask).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).double().cpu()
+        mask = mask.double().cpu()
+        n = mask.sum(-1)
+        last = (n - 1).clamp(min=0).long()
+        rel = torch.arange(d.shape[1], dtype=torch.float64)[None] / n.clamp(min=1)[:, None]  # position in [0, 1)
+        bins = (rel * POSITION_BINS).long().clamp(max=POSITION_BINS - 1)
+        onehot = torch.nn.functional.one_hot(bins, POSITION_BINS).double() * mask[..., None]  # [B, T, bins]
+        if w is None:
+            w, keep = mask, mask.bool()
+        w, keep = w.double().cpu(), keep.cpu()
+        return MismatchStats(
+            c=c.long().cpu(), n_tokens=n, k1_sum=(-d * mask).sum(-1), k3_sum=((d.exp() - 1 - d) * mask).sum(-1),
+            abs_first=d[:, 0].abs() * (n > 0), abs_last=d.gather(1, last[:, None]).squeeze(1).abs() * (n > 0),
+            pos_abs=(d.abs()[..., None] * onehot).sum(1), pos_tokens=onehot.sum(1), kept=keep.double().sum(-1),
+            capped=((w >= cap) & keep).double().sum(-1), w_sum=(w * keep).sum(-1),
+            w_max=torch.where(keep, w, torch.zeros_like(w)).amax(-1) if w.numel() else torch.zeros(len(n)))
+
+
+def mismatch_metrics(s: MismatchStats, correction: bool) -> dict[str, float]:
+    """logprob_mismatch/kl_k1, kl_k3 (token means), the first and last token's mean |log r| and its profile over
+    the response's fifths (pos1..pos5: mismatch grows along a response), k3 by c; with a correction on, the
+    rollout_is/* numbers: tokens and sequences it masked, tokens the cap truncated, mean and max weight, by c."""
+    tok = float(s.n_tokens.sum())
+    if tok == 0:
+        return {}
+    has = s.n_tokens > 0
+    seqs = float(has.sum())
+    out = {"logprob_mismatch/kl_k1": float(s.k1_sum.sum()) / tok, "logprob_mismatch/kl_k3": float(s.k3_sum.sum()) / tok,
+           "logprob_mismatch/first_token_abs": float(s.abs_first[has].mean()),
+           "logprob_mismatch/last_token_abs": float(s.abs_last[has].mean())}
+    pos = s.pos_abs.sum(0) / s.pos_tokens.sum(0).clamp(min=1)
+    out.update({f"logprob_mismatch/pos{i + 1}": float(v) for i, v in enumerate(pos)})
+    cs = sorted({int(x) for x in s.c[has]})
+    for cc in cs:
+        sel = has & (s.c == cc)
+        out[f"logprob_mismatch/kl_k3/c{cc}"] = float(s.k3_sum[sel].sum() / s.n_tokens[sel].sum())
+    if correction:
+        kept = float(s.kept.sum())
+        masked_seq = has & (s.kept < s.n_tokens)
+        out.update({"rollout_is/masked_token_frac": 1 - kept / tok,
+                    "rollout_is/masked_seq_frac": float(masked_seq.sum()) / seqs,
+                    "rollout_is/truncated_token_frac": float(s.capped.sum()) / tok,
+                    "rollout_is/weight_mean": float(s.w_sum.sum()) / max(kept, 1.0),
+                    "rollout_is/weight_max": float(s.w_max.max())})
+        for cc in cs:
+            sel = has & (s.c == cc)
+            n_c = float(s.n_tokens[sel].sum())
+            out[f"rollout_is/masked_token_frac/c{cc}"] = 1 - float(s.kept[sel].sum()) / n_c
+            out[f"rollout_is/weight_mean/c{cc}"] = float(s.w_sum[sel].sum()) / max(float(s.kept[sel].sum()), 1.0)
+    return out
 
 
 def kl_penalty(logp: Tensor, ref_logp: Tensor, mask: Tensor, norm: StepNorm) -> Tensor:

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from gapo.trainer.losses import RolloutStats, group_metrics, update_metrics
+from gapo.trainer.losses import MismatchStats, RolloutStats, group_metrics, mismatch_metrics, update_metrics
 
 
 @dataclass
@@ -33,10 +33,11 @@ class RankStep:
     tokens: float  # response tokens in the loss
     timings: dict[str, float]  # seconds per phase
     records: list[dict] | None = None  # rollouts.jsonl lines (trainer.log_rollouts)
+    per_rollout_mismatch: MismatchStats | None = None  # with the trainer's old-log-prob pass
 
 
 def step_metrics(parts: list[RankStep], is_level: str, grad_norm: float, lr: float,
-                 correct_threshold: float) -> dict[str, float]:
+                 correct_threshold: float, correction: bool = False) -> dict[str, float]:
     """One step's logged numbers from every rank's per-rollout records."""
     stats = RolloutStats.cat([p.stats for p in parts])
     rewards = torch.cat([p.rewards for p in parts])
@@ -73,6 +74,8 @@ def step_metrics(parts: list[RankStep], is_level: str, grad_norm: float, lr: flo
               "logprob_mismatch/max_abs": float(mism.abs().max()) if mism.numel() else 0.0,
               # exp(mean(trainer - engine)): the IS ratio a sequence would carry from the engine alone
               "logprob_mismatch/is_ratio": float(torch.exp(mism.mean())) if mism.numel() else 1.0})
+    if all(p.per_rollout_mismatch is not None for p in parts):
+        m.update(mismatch_metrics(MismatchStats.cat([p.per_rollout_mismatch for p in parts]), correction))
     m.update({f"time/{key}_s": v for key, v in tim.items()})
     m["time/step_s"] = sum(tim.values())
     m["throughput/gen_tokens_per_s"] = gen_tokens / max(tim["generate"], 1e-9)
