@@ -17,7 +17,7 @@ from gapo.study.plot import build_figures, main
 
 PNG_SIG = b"\x89PNG\r\n\x1a\n"
 ALL_PNGS = ("is_ratio_by_c.png", "clip_by_c.png", "clip_vs_c.png", "is_adv_corr.png", "val_pass.png", "coverage.png",
-            "training.png")
+            "mismatch.png", "training.png")
 K = 4  # group size: clip_frac/c1 .. c3
 
 
@@ -36,7 +36,9 @@ def _record(step: int, offset: float, val: bool = True) -> dict:
            # per-step sums behind clip_frac/c{c}: c = 1 clips one of 3 rollouts every 4th step; c = 2 has 10 + step
            # units of which 2 (run A) or 7 (run B) clipped
            "clip_hi/c1": 1.0 if step % 4 == 0 else 0.0, "clip_units/c1": 3.0, "n_correct/c1": 3.0,
-           "clip_hi/c2": 2.0 + 100 * offset, "clip_units/c2": 10.0 + step, "n_correct/c2": 5.0}
+           "clip_hi/c2": 2.0 + 100 * offset, "clip_units/c2": 10.0 + step, "n_correct/c2": 5.0,
+           # the sampler-trainer mismatch, growing along the response
+           "logprob_mismatch/kl_k3": 1e-4 * step, **{f"logprob_mismatch/pos{q}": 0.01 * q + offset for q in range(1, 6)}}
     if step % 3:  # c = 3 groups only at some steps
         rec["clip_frac/c3"] = 0.06 + offset
     if val and step in (4, 8, 12):

@@ -223,6 +223,29 @@ def fig_coverage(runs: list[Run]) -> Figure | None:
     return finish(fig, runs, "Problem coverage: problems with solve rate above the threshold (paper Fig. 8)")
 
 
+def fig_mismatch(runs: list[Run], smooth: int = 1) -> Figure | None:
+    """The sampler-trainer mismatch: its KL (k3, token mean) over steps, and |log pi_old - log pi_rollout| along
+    the response (fifths of its length, mean over the logged steps), where it grows in long responses."""
+    if not any(r.get("logprob_mismatch/kl_k3") for r in runs):
+        return None
+    fig = Figure(figsize=(12, 4.6), layout="constrained")
+    ax_kl, ax_pos = fig.subplots(1, 2)
+    for i, r in enumerate(runs):
+        plot_series(ax_kl, r.get("logprob_mismatch/kl_k3"), r.label, i, smooth)
+        prof = [(q, float(np.mean([v for _, v in r.get(f"logprob_mismatch/pos{q}")])))
+                for q in range(1, 6) if r.get(f"logprob_mismatch/pos{q}")]
+        plot_series(ax_pos, prof, r.label, i, markers=True)
+    ax_kl.set_title("KL(pi_rollout || pi_old), k3 estimate, token mean", fontsize=10)
+    ax_kl.set_xlabel("step")
+    ax_kl.set_ylabel("KL per token")
+    ax_pos.set_title("mean |log pi_old - log pi_rollout| by position (mean over steps)", fontsize=10)
+    ax_pos.set_xlabel("fifth of the response (1: first tokens, 5: last)")
+    ax_pos.set_ylabel("|log-ratio|")
+    out = finish(fig, runs, "Sampler-trainer mismatch (algorithm.rollout_correction)", smooth)
+    ax_pos.set_xlim(0.5, 5.5)  # finish() sets step limits on every axes; this one is positions
+    return out
+
+
 TRAINING_PANELS = (("reward/mean", "mean reward"), ("response/len_mean", "mean response length (tokens)"),
                    ("entropy", "mean token entropy"), ("clip_frac", "clip fraction (off-policy updates)"))
 
@@ -275,6 +298,12 @@ FIGURES = (
                "GAPO should keep more problems above the solve-rate threshold, where baselines lose them.",
                lambda runs, smooth, window: fig_coverage(runs),
                "no coverage in these runs (`val/{benchmark}/coverage`; set `trainer.eval_every` > 0)."),
+    FigureSpec("mismatch.png", "Sampler-trainer mismatch",
+               "How far vLLM's log-probs of the sampled tokens are from the trainer's: in fp32 near 0; in bf16 it "
+               "grows with response length (the position profile), which is what algorithm.rollout_correction "
+               "corrects.", lambda runs, smooth, window: fig_mismatch(runs, smooth),
+               "no mismatch metrics in these runs (`logprob_mismatch/kl_k3`: runs with the trainer's old-log-prob "
+               "pass)."),
     FigureSpec("training.png", "Training curves",
                "Sanity checks: reward should rise, entropy should not collapse early, lengths should not blow "
                "up, the overall clip fraction shows when clipping starts firing.",
