@@ -38,7 +38,8 @@ def _record(step: int, offset: float, val: bool = True) -> dict:
            "clip_hi/c1": 1.0 if step % 4 == 0 else 0.0, "clip_units/c1": 3.0, "n_correct/c1": 3.0,
            "clip_hi/c2": 2.0 + 100 * offset, "clip_units/c2": 10.0 + step, "n_correct/c2": 5.0,
            # the sampler-trainer mismatch, growing along the response
-           "logprob_mismatch/kl_k3": 1e-4 * step, **{f"logprob_mismatch/pos{q}": 0.01 * q + offset for q in range(1, 6)}}
+           "logprob_mismatch/kl_k3": 1e-4 * step,
+           **{f"logprob_mismatch/pos{q}": 0.01 * q + offset for q in range(1, 6)}}
     if step % 3:  # c = 3 groups only at some steps
         rec["clip_frac/c3"] = 0.06 + offset
     if val and step in (4, 8, 12):
