@@ -353,6 +353,11 @@ class TrainerConfig(_Section):
     max_skipped_steps: int = Field(
         3, ge=1, description="An optimizer step whose gradient norm is not finite is skipped (weights, optimizer "
                              "state untouched); this many in a row stop the run with a message.")
+    collective_timeout_min: float = Field(
+        60.0, gt=0.0, description="How long a rank waits in a collective (NCCL / gloo) before the job fails. It must "
+                                  "exceed the longest time one rank can run ahead of another: the slowest rank's "
+                                  "generation of a step (long contexts in KV-cache waves), its scoring, a validation, "
+                                  "a checkpoint save. DeepSpeed's own default is 10 minutes.")
     check_memory: bool = Field(
         True, description="On a GPU, refuse to start when the memory plan (gapo/memory.py, estimates) does not fit "
                           "the device.")

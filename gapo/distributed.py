@@ -15,8 +15,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed() -> tuple[int, int]:
-    """torchrun sets RANK/WORLD_SIZE/MASTER_*; a plain `gapo-train` is a world of one on a free port."""
+def init_distributed(timeout_min: float = 60.0) -> tuple[int, int]:
+    """torchrun sets RANK/WORLD_SIZE/MASTER_*; a plain `gapo-train` is a world of one on a free port.
+
+    `timeout_min` bounds every collective (trainer.collective_timeout_min): ranks wait in one while another still
+    generates, scores, evaluates or saves, and DeepSpeed's default (10 minutes) is shorter than a long-context
+    step; past it NCCL's watchdog ends the job."""
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
@@ -29,7 +33,10 @@ def init_distributed() -> tuple[int, int]:
         # training never uses it, and without it DeepSpeed falls back to torch.distributed.
         # (importlib: the attribute deepspeed.comm.torch is the torch module, re-exported.)
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    from datetime import timedelta
+
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo",
+                               timeout=timedelta(minutes=timeout_min))
     return dist.get_rank(), dist.get_world_size()
 
 

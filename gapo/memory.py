@@ -87,6 +87,11 @@ VLLM_RESERVE = 2 * GiB
 # 5e8 elements) and allocator slack. An allowance, not a measurement.
 OVERHEAD = 3 * GiB
 
+# ZeRO's gradient reduce bucket, in elements: set explicitly in the actor's DeepSpeed config (its default is 5e8,
+# 1.86 GiB per rank in fp32) so that the plan and the run hold the same buffer. It is allocated persistently, in
+# the communication dtype (fp32: bf16 runs reduce in fp32).
+REDUCE_BUCKET = 200_000_000
+
 # Trainer bytes per parameter: (weights, gradients, optimizer state). bf16 runs accumulate gradients in
 # fp32 (see Actor: grad_accum_dtype) and keep an fp32 master copy next to Adam's m and v.
 STATE_BYTES = {"bfloat16": (2, 4, 4 + 4 + 4), "float32": (4, 4, 4 + 4)}
@@ -163,6 +168,8 @@ class MemoryPlan:
     activations: int
     attention_mask: int
     logits: int
+    zero_buffers: int  # the reduce bucket, and at each optimizer step a flat fp32 copy of the rank's gradients and
+    # the optimizer's temporary of the same size (ZeRO-2/3 on several ranks; 0 otherwise)
     overhead: int = OVERHEAD
 
     @property
@@ -179,7 +186,8 @@ class MemoryPlan:
         """The actor's update; vLLM's share stays unless it sleeps. Asleep, its weights and KV cache are
         freed and its reserve was only a profile-time peak in the same process's allocator."""
         vllm = 0 if self.sleep else self.vllm_total
-        return vllm + self.trainer_states + self.activations + self.attention_mask + self.logits + self.overhead
+        return (vllm + self.trainer_states + self.activations + self.attention_mask + self.logits + self.zero_buffers
+                + self.overhead)
 
     @property
     def total(self) -> int:
@@ -227,7 +235,17 @@ def memory_plan(cfg: Config, facts: dict, world: int, device_gb: float = 80.0) -
         trainer_states=trainer_state_bytes(params, m.dtype, cfg.trainer.zero_stage, world)
         + (math.ceil(weights / (world if cfg.trainer.zero_stage == 3 else 1)) if cfg.algorithm.kl_coef > 0 else 0),
         activations=activations, attention_mask=mask,
-        logits=LOGIT_CHUNK * vocab * b + vocab * facts["hidden_size"] * b)
+        logits=LOGIT_CHUNK * vocab * b + vocab * facts["hidden_size"] * b,
+        zero_buffers=zero_buffer_bytes(params, cfg.zero_stage(world), world))
+
+
+def zero_buffer_bytes(params: int, zero_stage: int, world: int) -> int:
+    """The reduce bucket (REDUCE_BUCKET fp32 elements, or all the gradients if fewer) plus, per optimizer step, the
+    flattened fp32 gradient partition and the fused AdamW's temporary of the same size."""
+    if world == 1 or zero_stage < 2:
+        return 0
+    partition = math.ceil(params / world) * 4
+    return min(REDUCE_BUCKET, params) * 4 + 2 * partition
 
 
 def format_plan(plan: MemoryPlan, device_gb: float) -> str:
@@ -247,6 +265,7 @@ def format_plan(plan: MemoryPlan, device_gb: float) -> str:
         ("activations", plan.activations, f"{plan.micro_batch_tokens:,} tokens per micro-batch"),
         ("padding mask", plan.attention_mask, ""),
         ("logits chunk + head grad", plan.logits, ""),
+        ("ZeRO reduce bucket + step buffers", plan.zero_buffers, ""),
         ("CUDA / NCCL / ZeRO overhead", plan.overhead, ""),
     ]
     lines = [f"  {name:<32}{gb(x)}  {note}".rstrip() for name, x, note in rows]

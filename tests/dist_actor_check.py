@@ -16,6 +16,8 @@ from gapo.models import resolve_model
 from gapo.trainer.actor import Actor
 from gapo.trainer.logprobs import MicroBatch
 
+LINEAR = torch.nn.functional.linear  # before any zero.Init: it must be this again once the actor is built
+
 
 def batches(seed: int, rank: int) -> list[MicroBatch]:
     g = torch.Generator().manual_seed(seed * 10 + rank)
@@ -39,9 +41,10 @@ def weights(actor: Actor) -> dict[str, torch.Tensor]:
 
 def main(out_path: str, dtype: str, stage: int) -> None:
     rank, world = init_distributed()
+    # A schedule that moves at every optimizer step, so that a skipped step advancing it would show.
     cfg = resolve({"model": {"path": "tiny-qwen2", "dtype": dtype},
                    "trainer": {"zero_stage": stage, "micro_batch_size": 2, "ppo_mini_batch_size": 4 * world,
-                               "lr": 1e-3},
+                               "lr": 1e-3, "lr_schedule": "cosine", "total_steps": 6, "warmup_steps": 1},
                    "rollout": {"prompts_per_step": world, "group_size": 4}})
     model_dir = str(resolve_model("tiny-qwen2"))
     result = {}
@@ -60,6 +63,9 @@ def main(out_path: str, dtype: str, stage: int) -> None:
         applied.append(step(actor, batches(2, rank), False))
         result[f"applied_{poison}"] = applied
         ends.append(weights(actor))
+        result[f"lr_end_{poison}"] = actor.lr()
+        result["linear_restored"] = torch.nn.functional.linear is LINEAR
+        result["reduce_bucket"] = actor.engine.zero_reduce_bucket_size()
     result["same_end"] = all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0])
     dist.barrier()
     with open(f"{out_path}.{rank}", "w") as f:

@@ -24,6 +24,12 @@ def test_actor_accumulates_in_fp32_and_skips_a_nan_step(torchrun, dtype, stage, 
         # good, NaN, good ends exactly where good, good does: the optimizer state (Adam moments, step count)
         # did not see the NaN step either
         assert res["same_end"]
+        # ... and the learning-rate schedule stayed put on the skipped step, at every stage
+        assert res["lr_end_True"] == res["lr_end_False"], res
+        assert res["linear_restored"], "zero.Init's F.linear outlived the model's construction"
+        from gapo.memory import REDUCE_BUCKET
+
+        assert res["reduce_bucket"] == REDUCE_BUCKET  # the buffer the memory plan counts
 
 
 @pytest.mark.dist
@@ -32,3 +38,13 @@ def test_zero3_gathers_the_vocab_head_once_per_forward_and_once_per_backward(tor
     backward recomputes them (7 and 20 with the embedding's own, measured before the change)."""
     for res in torchrun("dist_head_gather_check.py", nproc=2):
         assert res["chunks"] == 6 and (res["forward"], res["total"]) == (1, 2), res
+
+
+@pytest.mark.dist
+def test_zero3s_prefetch_trace_settles_when_micro_batches_differ(torchrun):
+    """Micro-batches of 8 and 24 response tokens (1 and 3 logit chunks) in turn: with the chunk count fixed for
+    the run (3), every forward calls the same modules and DeepSpeed's trace is not invalidated after warm-up
+    (with a count that follows each micro-batch it was invalidated at every change)."""
+    for res in torchrun("dist_trace_check.py", nproc=2, timeout=300):
+        assert res["chunks"] == 3
+        assert [s for s in res["invalidations"] if s >= 2] == [], res

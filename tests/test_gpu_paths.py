@@ -61,6 +61,9 @@ class FakeLLM:
 
     def reset_prefix_cache(self):
         self.events.append("reset_prefix_cache")
+        return self.reset_ok
+
+    reset_ok = True  # vLLM returns False while KV blocks are still in use
 
 
 @pytest.fixture
@@ -259,3 +262,27 @@ def test_a_build_keeps_its_seeds_to_itself_and_refuses_a_foreign_directory(tmp_p
     (tmp_path / "half").mkdir()
     with pytest.raises(ConfigError, match="holds no config.json"):
         _atomic_build(tmp_path / "half", build)
+
+
+def test_a_prefix_cache_that_will_not_reset_stops_the_push(fake_vllm):
+    """vLLM answers False, with only a warning, when it cannot reset its prefix cache; the next step would then
+    reuse the old weights' prompt KV. The push must fail loudly instead."""
+    events, build = fake_vllm
+    engine = build(False)
+    FakeLLM.reset_ok = False
+    try:
+        with pytest.raises(RuntimeError, match="did not reset its prefix cache"):
+            engine.push_weights([("w", torch.zeros(1))])
+    finally:
+        FakeLLM.reset_ok = True
+    assert events[-1] == "reset_prefix_cache"
+
+
+@pytest.mark.dist
+def test_collectives_time_out_as_configured_and_unshared_run_dirs_are_refused(torchrun, tmp_path):
+    """trainer.collective_timeout_min reaches the process group (a 3 s timeout gives up on a rank 8 s late, instead
+    of DeepSpeed's 10 minutes), and a run directory rank 1 cannot see is refused on both ranks before training."""
+    res = torchrun("dist_infra_check.py", str(tmp_path), nproc=2, timeout=120)
+    assert all("rank(s) 1 cannot see a file rank 0 wrote there" in r["unshared"] for r in res), res
+    assert res[0]["probe_left"] == [] and res[1]["probe_left"] == []
+    assert res[0]["late_barrier"] != "returned" and res[0]["waited_s"] < 7, res[0]

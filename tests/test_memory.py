@@ -1,5 +1,6 @@
 """The per-GPU memory plan: the issue's anchors for the paper's configs, and the arithmetic by hand."""
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -167,3 +168,19 @@ def test_logit_chunk_mirrors_the_actor():
     from gapo import memory
 
     assert (memory.LOGIT_CHUNK, memory.LOGPROB_ROWS) == (logprobs.LOGIT_CHUNK, logprobs.ROWS)
+
+
+def test_zero3_buffers_are_planned():
+    """ZeRO's persistent reduce bucket (set explicitly in the actor, REDUCE_BUCKET fp32 elements) and, per
+    optimizer step, a flat fp32 copy of the rank's gradient partition and the optimizer's temporary."""
+    from gapo.memory import REDUCE_BUCKET, param_count, zero_buffer_bytes
+
+    cfg = load_config("qwen_math")
+    plan = memory_plan(cfg, QWEN, world=8, device_gb=80)
+    p = param_count(QWEN)
+    assert plan.zero_buffers == REDUCE_BUCKET * 4 + 2 * math.ceil(p / 8) * 4
+    assert 2.0 < plan.zero_buffers / GiB < 2.5  # 0.75 GiB bucket + 2 x 0.72 GiB for 1.54 B params on 8 ranks
+    assert "ZeRO reduce bucket + step buffers" in format_plan(plan, 80)
+    assert zero_buffer_bytes(p, zero_stage=0, world=1) == 0  # one rank: nothing reduced, nothing partitioned
+    assert memory_plan(cfg, QWEN, world=1).zero_buffers == 0
+

@@ -44,3 +44,13 @@ def test_gradient_is_the_same_whatever_the_split(torchrun, stage, nproc):
     if nproc == 2:  # the long shard needs more micro-batches by budget; both ranks ran the larger count
         assert results[0]["budget_48"]["local_count"] > results[1]["budget_48"]["local_count"]
         assert results[0]["budget_48"]["count"] == results[1]["budget_48"]["count"]
+
+
+@pytest.mark.dist
+def test_prompt_sharing_is_decided_by_all_ranks(torchrun):
+    """A micro-batch shares its prompts' KV cache only when it can on every rank: under ZeRO-3 a rank running
+    the decoder twice while the other runs it once would diverge in its collectives (hang or trace assertion)."""
+    res = torchrun("dist_share_check.py", nproc=2, timeout=300)
+    assert [r["mixed"]["shared"] for r in res] == [False, False]
+    assert [r["both"]["shared"] for r in res] == [True, True]
+    assert all(r[case]["grad_norm"] > 0 for r in res for case in ("mixed", "both"))

@@ -66,7 +66,9 @@ class VLLMEngine:
         self.llm = LLM(model=model_dir, dtype=dtype, seed=seed, distributed_executor_backend="external_launcher",
                        tensor_parallel_size=1, logprobs_mode="processed_logprobs", max_model_len=max_model_len,
                        enable_prefix_caching=True, gpu_memory_utilization=gpu_memory_utilization,
-                       enable_sleep_mode=sleep_mode, enforce_eager=compile == "eager", **kv, **cpu)
+                       enable_sleep_mode=sleep_mode, enforce_eager=compile == "eager", **kv, **cpu,
+                       # asleep, vLLM would keep its CUDA graphs on the GPU: out with the weights (GPU only; unverified)
+                       **({"sleep_mode_offload_cudagraph": True} if sleep_mode else {}))
         self.tokenizer = self.llm.get_tokenizer()
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int]) -> list[list[Rollout]]:
@@ -107,7 +109,11 @@ class VLLMEngine:
                 raise RuntimeError("vLLM still reports sleeping memory after waking weights and kv_cache; "
                                    "it would never schedule a request again")
             self.asleep = False
-        self.llm.reset_prefix_cache()
+        # vLLM refuses (returns False, with a warning only) while blocks are in use: the next step would then reuse
+        # prompt KV computed with the old weights, and its log-probs would match neither policy.
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM did not reset its prefix cache after the weight push (blocks still in use): "
+                               "cached prompt KV of the old weights would leak into the next step")
 
     def _wake(self, tag: str) -> bool:
         _release_torch_cache()

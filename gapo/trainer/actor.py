@@ -6,6 +6,7 @@ itself is gapo/trainer/logprobs.py.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import types
@@ -16,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from gapo.memory import REDUCE_BUCKET
+from gapo.trainer import logprobs
 from gapo.trainer.logprobs import MicroBatch, response_logprobs
 
 if TYPE_CHECKING:
@@ -32,9 +35,10 @@ class Policy(torch.nn.Module):
     overwrite the previous one's gradient instead of adding to it.
     """
 
-    def __init__(self, lm: torch.nn.Module):
+    def __init__(self, lm: torch.nn.Module, n_chunks: int | None = None):
         super().__init__()
         self.lm = lm
+        self.n_chunks = n_chunks  # logit chunks per forward, fixed for the run (see response_logprobs)
         head = lm.get_output_embeddings().weight
         if hasattr(head, "ds_id"):  # ZeRO-3: gather the head once per forward (and once per backward) for all
             import deepspeed  # of its logit chunks, not once per chunk (~1,300 all-gathers a step at 24k tokens)
@@ -42,8 +46,44 @@ class Policy(torch.nn.Module):
             deepspeed.zero.register_external_parameter(self, head)
 
     def forward(self, mb: MicroBatch, temperature: float, entropy: bool = False) -> tuple[Tensor, Tensor | None]:
-        return response_logprobs(self.lm.get_decoder(), self.lm.get_output_embeddings(), mb, temperature,
-                                 entropy=entropy)
+        with attention_backend():
+            return response_logprobs(self.lm.get_decoder(), self.lm.get_output_embeddings(), mb, temperature,
+                                     entropy=entropy, n_chunks=self.n_chunks)
+
+
+def attention_backend():
+    """One SDPA kernel for the old-log-prob pass (no grad) and the update (grad): on CUDA, torch picks per call
+    among flash, memory-efficient, cuDNN and math kernels, and may pick differently with and without autograd
+    (cuDNN's forward-only path, say), which would make the first mini-batch's IS ratio differ from 1 by kernel
+    rounding. The memory-efficient kernel takes padding masks, runs forward and backward, and is pinned for
+    both (GPU only; unverified here, bench/gpu/check.sh asserts the deviation is 0). On CPU nothing changes."""
+    if not torch.cuda.is_available():
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION])
+
+
+def logit_chunks(cfg: Config) -> int:
+    """The logit chunks of every forward of the run: the most response tokens one micro-batch can hold (its rows
+    times rollout.max_new_tokens, or the token budget), in logprobs.LOGIT_CHUNK pieces."""
+    tokens = cfg.trainer.micro_batch_size * cfg.rollout.max_new_tokens
+    if cfg.trainer.max_tokens_per_micro_batch:
+        tokens = min(tokens, cfg.trainer.max_tokens_per_micro_batch)
+    return max(1, math.ceil(tokens / logprobs.LOGIT_CHUNK))
+
+
+class _Schedule(torch.optim.lr_scheduler.LambdaLR):
+    """A LambdaLR that stays put while `skip` is set. DeepSpeed steps the scheduler unless its optimizer reports
+    an overflow, which the plain AdamW of stage 0 never does: a skipped step there would advance the schedule
+    ("good, NaN, good" ending one schedule step ahead of "good, good"). `skip` is a plain bool, so the state
+    DeepSpeed saves stays picklable."""
+
+    skip = False
+
+    def step(self, *args, **kwargs) -> None:
+        if not self.skip:
+            super().step(*args, **kwargs)
 
 
 class Actor:
@@ -70,7 +110,8 @@ class Actor:
             "train_batch_size": t.micro_batch_size * shape.micro_per_mini * self.world,
             "gradient_clipping": t.grad_clip,
             "bf16": {"enabled": bf16},
-            "zero_optimization": {"stage": self.zero_stage},  # small params (norms) stay whole: fewer gathers
+            # small params (norms) stay whole: fewer gathers; the reduce bucket is the memory plan's (gapo/memory.py)
+            "zero_optimization": {"stage": self.zero_stage, "reduce_bucket_size": REDUCE_BUCKET},
             "wall_clock_breakdown": False,
         }
         if bf16:
@@ -79,9 +120,14 @@ class Actor:
             ds_config.update(data_types={"grad_accum_dtype": "fp32"}, communication_data_type="fp32")
         # While this object lives, from_pretrained runs under zero.Init: ZeRO-3 partitions weights as they
         # load. It is dropped right after, or every later from_pretrained in the process would be partitioned.
+        # zero.Init also swaps torch.nn.functional.linear for its own, process-wide and for good ("This will
+        # persist unless manually reset"); vLLM's unquantised GEMM looks F.linear up at call time, so the swap
+        # would reach the engine's logits too. Restored once the weights are partitioned.
+        linear = torch.nn.functional.linear
         hf_ds = HfDeepSpeedConfig(ds_config) if self.zero_stage == 3 else None
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if bf16 else torch.float32)
         del hf_ds
+        torch.nn.functional.linear = linear
         if cfg.model.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
@@ -103,9 +149,9 @@ class Actor:
                 return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warm) / max(1, total - warm))))
             return 1.0
 
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+        scheduler = _Schedule(optimizer, lr_factor)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=Policy(model), optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
+            model=Policy(model, logit_chunks(cfg)), optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
         self.module = model  # the Hugging Face model inside the engine (its parameter names, save_pretrained)
         self._stage0_norm: float | None = None
         self.device = self.engine.device  # micro-batches go here (cuda:LOCAL_RANK on GPU, cpu on CPU)
@@ -115,11 +161,12 @@ class Actor:
             hf_ds = HfDeepSpeedConfig(ds_config) if self.zero_stage == 3 else None
             ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if bf16 else torch.float32)
             del hf_ds
+            torch.nn.functional.linear = linear
             # Without an optimizer DeepSpeed allows only stage 3 (partitioned) or 0 (a full copy per rank).
             ref_config = {**ds_config, "zero_optimization": {**ds_config["zero_optimization"],
                                                              "stage": 3 if self.zero_stage == 3 else 0}}
-            self.ref_engine, *_ = deepspeed.initialize(model=Policy(ref.eval().requires_grad_(False)),
-                                                       config=ref_config)
+            frozen = Policy(ref.eval().requires_grad_(False), logit_chunks(cfg))
+            self.ref_engine, *_ = deepspeed.initialize(model=frozen, config=ref_config)
 
     def backward(self, loss: Tensor) -> bool | None:
         """Our loss is already this micro-batch's exact share of the whole step (step-global normaliser), so
@@ -135,8 +182,9 @@ class Actor:
             self._stage0_norm = float(torch.nn.utils.get_total_norm(
                 [p.grad for p in self.module.parameters() if p.grad is not None]))
             self._skip = not math.isfinite(self._stage0_norm)
+        self.scheduler.skip = self._skip
         self.engine.step()
-        self._skip = False
+        self._skip = self.scheduler.skip = False
         return math.isfinite(self.grad_norm()) if boundary else None
 
     def grad_norm(self) -> float:

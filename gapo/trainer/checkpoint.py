@@ -33,6 +33,7 @@ import yaml
 
 from gapo import rundir
 from gapo.config import Config, ConfigError, dump_config, resolve
+from gapo.distributed import gather
 
 log = logging.getLogger("gapo.checkpoint")
 
@@ -108,6 +109,30 @@ def save(actor, tokenizer, cfg: Config, state: TrainerState, run_dir: Path) -> P
         _prune(root, cfg.trainer.keep_last, cfg.trainer.keep_steps, cfg.trainer.keep_every)
     dist.barrier()
     return final
+
+
+def check_shared_filesystem(run_dir: Path) -> None:
+    """Collective. Checkpoints are written by every rank into one directory and read back by every rank, so all
+    ranks must see the same filesystem at run_dir (one node, or a shared mount on several): rank 0 writes a probe,
+    every rank looks for it, and a rank that cannot see it stops the run on every rank, named, before any
+    training time is spent."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world == 1:
+        return
+    probe = gather(f".gapo-shared-fs-{os.getpid()}-{random.getrandbits(32):08x}" if rank == 0 else None)[0]
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        _write_atomic(run_dir / probe, "written by rank 0; every rank must see it\n")
+    dist.barrier()
+    seen = gather((run_dir / probe).is_file())
+    dist.barrier()
+    if rank == 0:
+        (run_dir / probe).unlink(missing_ok=True)
+    blind = [r for r, ok in enumerate(seen) if not ok]
+    if blind:
+        raise ConfigError(f"trainer.output_dir={run_dir}: rank(s) {', '.join(map(str, blind))} cannot see a file "
+                          "rank 0 wrote there. Checkpoints need one filesystem shared by all ranks (on several nodes: "
+                          "a shared mount such as NFS or Lustre); point trainer.output_dir at one")
 
 
 def _prune(root: Path, keep: int, keep_steps: list[int] = (), keep_every: int = 0) -> None:

@@ -85,10 +85,8 @@ class MicroBatch:
             rid[i, :len(r)] = torch.tensor(r, dtype=torch.long)
             rmask[i, :len(r)] = 1
         distinct = list(dict.fromkeys(tuple(p) for p in prompts))
-        # Worth it only when a prompt repeats; a one-token prompt would leave an all-padding prefix row,
-        # whose fully masked attention is undefined.
         shared = None
-        if share_prompts and len(distinct) < B and min(len(p) for p in prompts) >= 2:
+        if share_prompts and can_share(prompts):
             P = max(len(p) for p in distinct) - 1
             S = T + 1
             pre_ids = torch.full((len(distinct), P), pad_id, dtype=torch.long)
@@ -151,6 +149,12 @@ def micro_batch_rows(lengths: list[int], max_rows: int, max_tokens: int | None, 
     return bins
 
 
+def can_share(prompts: list[list[int]]) -> bool:
+    """Worth it only when a prompt repeats; a one-token prompt would leave an all-padding prefix row, whose fully
+    masked attention is undefined."""
+    return len(set(map(tuple, prompts))) < len(prompts) and min(len(p) for p in prompts) >= 2
+
+
 def pack_step(rollouts: list[Rollout], adv: Tensor, c: Tensor, k: Tensor, keep: Tensor, *, mini: int, micro: int,
               max_tokens: int | None, pad_id: int, share_prompts: bool, device: torch.device) -> list[list[MicroBatch]]:
     """A rank's rollouts of one step as mini-batches (one optimizer step each, `mini` rollouts) of micro-batches.
@@ -165,8 +169,14 @@ def pack_step(rollouts: list[Rollout], adv: Tensor, c: Tensor, k: Tensor, keep: 
     dist.all_reduce(counts, op=dist.ReduceOp.MAX)
     bins = [[torch.tensor(b) + m0 for b in micro_batch_rows(lengths[m0:m0 + mini], micro, max_tokens, n)]
             for m0, n in zip(starts, counts.tolist(), strict=True)]  # rollout indices per micro-batch
+    # Sharing runs the decoder twice (prompts, then suffixes): a different sequence of module calls. Under ZeRO-3
+    # every rank must make the same calls, so the i-th micro-batch shares only if it does so on every rank.
+    share = torch.tensor([share_prompts and can_share([rollouts[j].prompt_ids for j in b.tolist()])
+                          for mini_bins in bins for b in mini_bins], dtype=torch.int32, device=device)
+    dist.all_reduce(share, op=dist.ReduceOp.MIN)
+    agreed = iter(share.tolist())
     return [[MicroBatch.pack([rollouts[j].prompt_ids for j in b], [rollouts[j].response_ids for j in b], pad_id,
-                             share_prompts=share_prompts, keep=keep[b], index=b, adv=adv[b], c=c[b], k=k[b],
+                             share_prompts=bool(next(agreed)), keep=keep[b], index=b, adv=adv[b], c=c[b], k=k[b],
                              engine_logp=[rollouts[j].logprobs for j in b]).to(device)
              for b in bins_of_mini] for bins_of_mini in bins]
 
@@ -245,7 +255,8 @@ def _token_logp_entropy(head: torch.nn.Module, h: Tensor, targets: Tensor, tempe
 
 
 def response_logprobs(base: torch.nn.Module, head: torch.nn.Module, mb: MicroBatch, temperature: float, *,
-                      entropy: bool = False, chunk: int | None = None) -> tuple[Tensor, Tensor | None]:
+                      entropy: bool = False, chunk: int | None = None, n_chunks: int | None = None
+                      ) -> tuple[Tensor, Tensor | None]:
     """log pi(response token) under the sampling temperature: [B, T] (0 on padding); with `entropy`
     (no gradient) also the per-token entropy [B, T].
 
@@ -259,12 +270,21 @@ def response_logprobs(base: torch.nn.Module, head: torch.nn.Module, mb: MicroBat
     hr = h[rows, resp_pos[rows, cols]]  # [N, H], N = response tokens
     targets = mb.resp_ids[rows, cols]
     # Under ZeRO-3 the head's weight is gathered once for the whole forward (Policy registers it), but each chunk
-    # still enters the head module's ZeRO hooks: all ranks make the same number of calls, so the chunk count is
-    # agreed on, and a rank with fewer (or no) tokens projects one real hidden row and drops it (it also keeps
-    # the loss attached to the graph when a micro-batch is empty).
-    n_chunks = torch.tensor(max(1, math.ceil(hr.shape[0] / (chunk or LOGIT_CHUNK))), device=hr.device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(n_chunks, op=dist.ReduceOp.MAX)
+    # still enters the head module's ZeRO hooks: all ranks make the same number of calls, and the same number in
+    # every forward, or DeepSpeed's prefetch trace is invalidated (and checked across ranks) at each change. So
+    # the count is fixed for the run (`n_chunks`: the most response tokens a micro-batch can hold, in chunks), and
+    # a chunk with no tokens projects one real hidden row and drops it (which also keeps the loss attached to
+    # the graph when a micro-batch is empty). Without a fixed count the ranks agree on this forward's largest.
+    needed = max(1, math.ceil(hr.shape[0] / (chunk or LOGIT_CHUNK)))
+    if n_chunks is not None:
+        if needed > n_chunks:
+            raise ValueError(f"{hr.shape[0]} response tokens need {needed} logit chunks, more than the run's "
+                             f"{n_chunks} (micro-batch rows x rollout.max_new_tokens)")
+    else:
+        agreed = torch.tensor(needed, device=hr.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        n_chunks = int(agreed)
     logps, ents = [], []
     for hc, tc in zip(torch.tensor_split(hr, int(n_chunks)), torch.tensor_split(targets, int(n_chunks)),
                       strict=True):

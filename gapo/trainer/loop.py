@@ -135,6 +135,7 @@ def setup(cfg: Config, rank: int, world: int) -> Setup:
         (run_dir / rundir.MEMORY_PLAN).write_text(plan + "\n")
         if device_gb:
             log.info("%s", plan)
+    checkpoint.check_shared_filesystem(run_dir)
 
     # Model and data. Every rank resolves: a file lock in gapo.models lets one process per filesystem build or
     # download while the others wait on it, with no barrier that a long download could time out.
@@ -183,7 +184,7 @@ def setup(cfg: Config, rank: int, world: int) -> Setup:
 
 
 def train(cfg: Config) -> Path:
-    rank, world = init_distributed()
+    rank, world = init_distributed(cfg.trainer.collective_timeout_min)
     shape = cfg.shape(world)
     random.seed(cfg.trainer.seed + rank)
     np.random.seed(cfg.trainer.seed + rank)

@@ -1,0 +1,50 @@
+"""Run under torchrun by test_actor.py: ZeRO-3's prefetch trace over training forwards + backwards whose
+micro-batches hold different numbers of response tokens (across logit-chunk boundaries). DeepSpeed invalidates
+its module trace, and checks module orders across ranks again, whenever a forward calls modules in another
+sequence; with a chunk count fixed for the run it must settle. Writes one JSON per rank."""
+
+import json
+import sys
+
+import torch
+from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+import gapo.trainer.logprobs as logprobs_module
+from gapo.config import resolve
+from gapo.distributed import init_distributed
+from gapo.models import resolve_model
+from gapo.trainer.actor import Actor
+from gapo.trainer.logprobs import MicroBatch
+
+CHUNK = 8  # response tokens per logit chunk: 2 rows x 4 or 12 tokens = 1 or 3 chunks
+
+
+def main(out_path: str) -> None:
+    rank, world = init_distributed()
+    logprobs_module.LOGIT_CHUNK = CHUNK
+    cfg = resolve({"model": {"path": "tiny-qwen2"}, "rollout": {"prompts_per_step": 2, "group_size": 2,
+                                                              "max_new_tokens": 12},
+                   "trainer": {"zero_stage": 3, "micro_batch_size": 2, "ppo_mini_batch_size": 4}})
+    actor = Actor(cfg, str(resolve_model("tiny-qwen2")))
+    invalidations = []
+    original = PartitionedParameterCoordinator._invalidate_trace
+
+    def counting(self):
+        invalidations.append(step)
+        return original(self)
+
+    PartitionedParameterCoordinator._invalidate_trace = counting
+    g = torch.Generator().manual_seed(rank)
+    for step in range(8):
+        new = 12 if step % 2 else 4  # alternately 3 and 1 chunks' worth of response tokens
+        mb = MicroBatch.pack([torch.randint(3, 300, (5,), generator=g).tolist() for _ in range(2)],
+                             [torch.randint(3, 300, (new,), generator=g).tolist() for _ in range(2)], 0)
+        actor.engine.set_gradient_accumulation_boundary(True)
+        lp, _ = actor.engine(mb, 1.0)
+        actor.backward(-(lp * mb.resp_mask).sum() / 24.0)
+    with open(f"{out_path}.{rank}", "w") as f:
+        json.dump({"invalidations": invalidations, "chunks": actor.engine.module.n_chunks}, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
