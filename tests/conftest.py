@@ -38,6 +38,7 @@ import pytest
 # --------------------------------------------------------------------------------------------------
 # What a command line must contain to count as a launch of the real stack: (needle, the marker it needs).
 LAUNCHES = (("torch.distributed.run", "dist"), ("gapo-train", "e2e"), ("gapo-eval", "e2e"), ("gapo-sweep", "e2e"),
+            ("check.sh", "e2e"),
             ("gapo.cli", "e2e"), ("gapo.study.sweep", "e2e"))
 _current: list[pytest.Item] = []  # the test being set up, run or torn down
 _real_popen_init = subprocess.Popen.__init__

@@ -52,6 +52,53 @@ def build_model(out: Path, shape: dict) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def run(cpu_smoke: bool, new_tokens: int, prompts: int, out: Path) -> dict:
+    """The two steps; returns what check.py tabulates (and main prints)."""
+    new = 16 if cpu_smoke else new_tokens
+    prompts = 2 if cpu_smoke else prompts
+    shutil.rmtree(out, ignore_errors=True)
+    params = build_model(out / "model", TOY if cpu_smoke else QWEN15)
+
+    from gapo.cli import train_main
+    from gapo.config import dump_config, resolve
+    from gapo.memory import memory_plan
+
+    rollouts = prompts * 8
+    cfg = resolve({
+        "model": {"path": str(out / "model"), "dtype": "bfloat16", "gradient_checkpointing": True},
+        "data": {"train": "arithmetic", "max_prompt_tokens": 128},
+        "rollout": {"engine": "hf", "group_size": 8, "prompts_per_step": prompts, "max_new_tokens": new},
+        "reward": {"math_last_number_fallback": True},
+        "trainer": {"output_dir": str(out / "run"), "total_steps": 2, "zero_stage": 3, "lr": 1e-6,
+                    "ppo_mini_batch_size": rollouts // 2, "micro_batch_size": 8,
+                    "max_tokens_per_micro_batch": 4 * (128 + new)},
+        "tracking": {"wandb": False},
+    })
+    (out / "rl_steps.yaml").write_text(dump_config(cfg))
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    if train_main(["--config", str(out / "rl_steps.yaml")]):  # in this process: its peak memory is read below
+        raise RuntimeError("gapo-train failed")
+    rows = [json.loads(x) for x in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [x for x in rows if "reward/mean" in x]
+    facts = json.loads((out / "model" / "config.json").read_text())
+    plan = memory_plan(cfg, facts, world=1, device_gb=141.0)
+    # The transformers engine holds its own bf16 weights (the plan's vLLM weights) but neither vLLM's reserve nor
+    # a preallocated KV cache; its generation cache is transient and not in the plan.
+    predicted = plan.training - plan.vllm_reserve - plan.kv_cache_given
+    steps = []
+    for x in rows:
+        tokens = x["response/len_mean"] * rollouts  # response tokens only (the ~40-token prompts are left out)
+        seconds = x["time/train_s"] + x["time/old_logprob_s"]
+        steps.append({"step": x["step"], "tokens_per_s": tokens / x["time/train_s"],
+                      "mfu": (6 * cfg.trainer.ppo_epochs + 2) * params * tokens / seconds / PEAK_FLOPS,
+                      "first_dev": x["first_minibatch/max_abs_log_ratio"], "generate_s": x["time/generate_s"],
+                      "skipped": x["skipped_steps"]})
+    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+    return {"params": params, "rollouts": rollouts, "new": new, "steps": steps, "peak_gib": peak,
+            "plan_gib": predicted / 2**30, "model_dir": str(out / "model")}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cpu-smoke", action="store_true")
@@ -61,49 +108,15 @@ def main() -> None:
     args = ap.parse_args()
     if not args.cpu_smoke and not torch.cuda.is_available():
         sys.exit("no CUDA device: run with --cpu-smoke for the CPU check of this code path")
-    new = 16 if args.cpu_smoke else args.new_tokens
-    prompts = 2 if args.cpu_smoke else args.prompts
-    shutil.rmtree(args.out, ignore_errors=True)
-    params = build_model(args.out / "model", TOY if args.cpu_smoke else QWEN15)
-
-    from gapo.cli import train_main
-    from gapo.config import dump_config, resolve
-    from gapo.memory import memory_plan
-
-    rollouts = prompts * 8
-    cfg = resolve({
-        "model": {"path": str(args.out / "model"), "dtype": "bfloat16", "gradient_checkpointing": True},
-        "data": {"train": "arithmetic", "max_prompt_tokens": 128},
-        "rollout": {"engine": "hf", "group_size": 8, "prompts_per_step": prompts, "max_new_tokens": new},
-        "reward": {"math_last_number_fallback": True},
-        "trainer": {"output_dir": str(args.out / "run"), "total_steps": 2, "zero_stage": 3, "lr": 1e-6,
-                    "ppo_mini_batch_size": rollouts // 2, "micro_batch_size": 8,
-                    "max_tokens_per_micro_batch": 4 * (128 + new)},
-        "tracking": {"wandb": False},
-    })
-    (args.out / "rl_steps.yaml").write_text(dump_config(cfg))
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-    if train_main(["--config", str(args.out / "rl_steps.yaml")]):  # in this process: its peak memory is read below
-        sys.exit("gapo-train failed")
-    rows = [json.loads(x) for x in (args.out / "run" / "metrics.jsonl").read_text().splitlines()]
-    rows = [x for x in rows if "reward/mean" in x]
-    facts = json.loads((args.out / "model" / "config.json").read_text())
-    plan = memory_plan(cfg, facts, world=1, device_gb=141.0)
-    # The transformers engine holds its own bf16 weights (the plan's vLLM weights) but neither vLLM's reserve nor
-    # a preallocated KV cache; its generation cache is transient and not in the plan.
-    predicted = plan.training - plan.vllm_reserve - plan.kv_cache_given
-    print(f"model: {params / 1e9:.2f} B params, {rollouts} rollouts x <= {new} new tokens per step, 2 steps")
-    for x in rows:
-        tokens = x["response/len_mean"] * rollouts  # response tokens only (the ~40-token prompts are left out)
-        seconds = x["time/train_s"] + x["time/old_logprob_s"]
-        mfu = (6 * cfg.trainer.ppo_epochs + 2) * params * tokens / seconds / PEAK_FLOPS
-        print(f"step {x['step']}: update {tokens / x['time/train_s']:,.0f} tokens/s, MFU {mfu:.1%}, "
-              f"first mini-batch max |log ratio| {x['first_minibatch/max_abs_log_ratio']:g}, "
-              f"generate {x['time/generate_s']:.1f} s")
-    if torch.cuda.is_available():
-        peak = torch.cuda.max_memory_allocated() / 2**30
-        print(f"peak allocated {peak:.1f} GiB; memory plan (actor + engine weights) {predicted / 2**30:.1f} GiB")
+    res = run(args.cpu_smoke, args.new_tokens, args.prompts, args.out)
+    print(f"model: {res['params'] / 1e9:.2f} B params, {res['rollouts']} rollouts x <= {res['new']} new tokens per "
+          "step, 2 steps")
+    for x in res["steps"]:
+        print(f"step {x['step']}: update {x['tokens_per_s']:,.0f} tokens/s, MFU {x['mfu']:.1%}, first mini-batch max "
+              f"|log ratio| {x['first_dev']:g}, generate {x['generate_s']:.1f} s")
+    if res["peak_gib"] is not None:
+        print(f"peak allocated {res['peak_gib']:.1f} GiB; memory plan (actor + engine weights) "
+              f"{res['plan_gib']:.1f} GiB")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# bench/gpu/check.sh [--cpu-smoke]: the first GPU's checks in one go (bench/gpu/check.py says what each row must
+# show). A CUDA host needs torch and transformers; the rest of gapo's Python dependencies (deepspeed, pydantic,
+# pyyaml, tqdm, math-verify, if-verifiable, ...) may come as wheels in .whl/ at the repository root, installed
+# here into /tmp/site. vLLM is optional: without it the vLLM rows say so.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH="/tmp/site:$PYTHONPATH"
+fi
+PY=python3
+if [ -x .venv/bin/python ]; then PY=.venv/bin/python; fi
+export OMP_WAIT_POLICY=PASSIVE WANDB_MODE=disabled
+exec "$PY" bench/gpu/check.py "$@"
