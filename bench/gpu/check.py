@@ -135,7 +135,8 @@ def main() -> int:
     print("\n== gapo GPU check ==")
     for check, value, must, ok in ROWS:
         print(f"{'PASS' if ok else 'FAIL'}  {check:<{width}}  {value}   [{must}]")
-    (args.out / "check.json").write_text(json.dumps([dict(zip(("check", "value", "must", "ok"), r)) for r in ROWS]))
+    keys = ("check", "value", "must", "ok")
+    (args.out / "check.json").write_text(json.dumps([dict(zip(keys, r, strict=True)) for r in ROWS]))
     return 0 if all(ok for *_, ok in ROWS) else 1
 
 
