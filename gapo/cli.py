@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -53,10 +54,19 @@ def train_main(argv: list[str] | None = None) -> int:
         # Re-run this command under torchrun: one process per rank, each with its own engine.
         rest = [a for i, a in enumerate(argv) if a != "--nproc" and (i == 0 or argv[i - 1] != "--nproc")
                 and not a.startswith("--nproc=")]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc),
+        cmd = [sys.executable, "-m", "gapo.launch", "--nproc_per_node", str(args.nproc),
                "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", "gapo.cli", *rest]
         # torchrun sets 1 thread per rank itself when unset, and says so at length; the ranks log the rest.
-        return subprocess.call(cmd, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+        child = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+        for sig in (signal.SIGTERM, signal.SIGUSR1):  # a preemption signal is the ranks' (gapo.launch forwards it)
+            signal.signal(sig, lambda signum, frame: child.send_signal(signum))
+        code = child.wait()
+        if code not in (0, 2, 3):  # not a message already given: a rank died; say where the run can go on from
+            found = rundir.checkpoints(cfg.trainer.output_dir)
+            where = f"the last checkpoint is {found[max(found)]}" if found else "it saved no checkpoint yet"
+            print(f"gapo-train: the run stopped (exit {code}); {where}: `--resume auto` goes on from the newest "
+                  "that verifies", file=sys.stderr)
+        return code
     # OpenMP threads spin-wait by default, which slows vLLM's CPU generation ~6x when two runtimes share cores.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     # vLLM freezes torch's thread count at engine build (1 unless OMP_NUM_THREADS says otherwise), and the
@@ -65,16 +75,22 @@ def train_main(argv: list[str] | None = None) -> int:
     rank0 = os.environ.get("RANK", "0") == "0"
     if not args.verbose:
         console.capture(show_warnings=rank0)  # before the libraries load: what they print goes to train.log
+    from gapo.trainer.checkpoint import CheckpointError
     from gapo.trainer.loop import RewardsFailed, TrainingDiverged, train
+    from gapo.trainer.preempt import PREEMPTED, Preempted
 
     try:
         run_dir = train(cfg)
     except ConfigError as err:  # bad model path, data file or field: a message, not a traceback
         console.error(f"gapo-train: {err}{console.failed_start()}")
         return 2
-    except (TrainingDiverged, RewardsFailed) as err:
+    except (TrainingDiverged, RewardsFailed, CheckpointError) as err:
         console.error(f"gapo-train: {err}{console.failed_start()}")
         return 3
+    except Preempted as err:
+        if rank0:
+            console.say(f"gapo-train: {err}")
+        return PREEMPTED
     if rank0:
         console.say(console.outputs(run_dir))
     return 0

@@ -344,15 +344,21 @@ class TrainerConfig(_Section):
         3, description="DeepSpeed ZeRO stage; with one rank, DeepSpeed runs at stage 0 (nothing to partition).")
     seed: int = 0
     resume_from: str | None = Field(
-        None, description="Continue from a checkpoint (a run directory -> its latest, or a checkpoint directory); "
-                          "`--resume` sets it. With a different algorithm.* this is the paper's intervention: a new "
-                          "run linked to its parent.")
+        None, description="Continue from a checkpoint (a run directory -> its latest, or a checkpoint directory; "
+                          "auto: this run's newest checkpoint that verifies, or a fresh start); `--resume` sets it. "
+                          "With a different algorithm.* this is the paper's intervention: a new run linked to its "
+                          "parent.")
     log_rollouts: bool = Field(
         False, description="Write every rollout (text, reward, c, advantage, IS ratio and clip decision per update) "
                            "to rollouts.jsonl.")
     max_skipped_steps: int = Field(
         3, ge=1, description="An optimizer step whose gradient norm is not finite is skipped (weights, optimizer "
                              "state untouched); this many in a row stop the run with a message.")
+    preempt_deadline_s: float = Field(
+        240.0, gt=0.0, description="After SIGTERM / SIGUSR1 (a preemption, a time limit), the run must have saved "
+                                   "within this: a step that would end later (by the previous step's timing) is "
+                                   "abandoned and the previous step saved instead. Keep it below the signal's lead "
+                                   "time (SLURM --signal=USR1@300).")
     collective_timeout_min: float = Field(
         60.0, gt=0.0, description="How long a rank waits in a collective (NCCL / gloo) before the job fails. It must "
                                   "exceed the longest time one rank can run ahead of another: the slowest rank's "
@@ -608,7 +614,7 @@ def default_output_dir(cfg: Config, name: str | None, method_overrides: list[tup
     """Where a run goes when nothing names its directory: runs/<config>/<method>/seed<seed>, the method being the
     algorithm and any algorithm.* set on the command line (gspo-eps_hi5e-3), so that a config's baselines and
     seeds never collide. A resumed run goes on in the run it resumes (a new algorithm there branches next to it)."""
-    if cfg.trainer.resume_from:
+    if cfg.trainer.resume_from and cfg.trainer.resume_from != "auto":
         return str(run_of(cfg.trainer.resume_from))
     parts = [cfg.algorithm.name]
     for key, value in sorted(method_overrides):

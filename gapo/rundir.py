@@ -31,6 +31,7 @@ EVAL = "eval"
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"  # inside CHECKPOINTS: the name of the newest complete checkpoint
 STATE = "trainer.json"  # inside a checkpoint: what makes a directory one
+MANIFEST = "manifest.json"  # inside a checkpoint: its files' sizes and checksums
 REHEARSAL_CONFIG = "rehearsal_config.yaml"
 REHEARSAL_REPORT = "rehearsal.md"
 

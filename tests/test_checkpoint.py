@@ -3,6 +3,7 @@ with the real engine (vLLM + DeepSpeed ZeRO-3 on gloo)."""
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -280,3 +281,141 @@ def test_a_fresh_run_refuses_a_directory_holding_a_run(tmp_path):
         resume_or_branch(_cfg(tmp_path / "r"), world=1, rank=0)
     start = resume_or_branch(_cfg(tmp_path / "fresh"), world=1, rank=0)
     assert start == (tmp_path / "fresh", None, None, None, False)
+
+
+# --- checkpoints that prove they are whole, --resume auto -------------------------------------------------------
+def _manifested_run(tmp_path: Path) -> Path:
+    """A fake run with two checkpoints, each with a manifest of its files."""
+    from gapo.trainer import checkpoint
+
+    run_dir = tmp_path / "r"
+    for step in (2, 4):
+        ck = _fake_run(run_dir, step)
+        (ck / "ds" / "state" / "shard.pt").write_bytes(bytes(range(256)) * 40)
+        (ck / "hf" / "model.safetensors").write_bytes(b"\x01" * 5000)
+        (ck / "manifest.json").write_text(json.dumps(checkpoint.manifest(ck)))
+    return run_dir
+
+
+@pytest.mark.parametrize("damage, needle", [
+    ("truncate", "ds/state/shard.pt is truncated or padded (5000 bytes, the manifest says 10240)"),
+    ("corrupt", "hf/model.safetensors is corrupt"),
+    ("delete", "hf/config.json is missing"),
+])
+def test_a_damaged_checkpoint_is_named_and_auto_falls_back_to_the_previous(tmp_path, damage, needle, caplog):
+    from gapo.trainer import checkpoint
+
+    run_dir = _manifested_run(tmp_path)
+    newest = run_dir / "checkpoints" / "step_000004"
+    checkpoint.verify(newest)  # whole, to begin with
+    if damage == "truncate":
+        (newest / "ds" / "state" / "shard.pt").write_bytes((bytes(range(256)) * 40)[:5000])
+    elif damage == "corrupt":
+        data = bytearray((newest / "hf" / "model.safetensors").read_bytes())
+        data[1234] ^= 0xFF
+        (newest / "hf" / "model.safetensors").write_bytes(bytes(data))
+    else:
+        (newest / "hf" / "config.json").unlink()
+    with pytest.raises(ConfigError, match=re.escape(f"checkpoint {newest}: {needle}")):
+        checkpoint.verify(newest)
+    assert checkpoint.newest_valid(run_dir) == run_dir / "checkpoints" / "step_000002"
+    assert "--resume auto: skipping step 4" in caplog.text
+
+
+def test_resume_auto_goes_on_from_the_newest_valid_or_starts_fresh(tmp_path):
+    from gapo.trainer.checkpoint import resume_or_branch
+
+    run_dir = _manifested_run(tmp_path)
+    start = resume_or_branch(_cfg(run_dir, "trainer.resume_from=auto"), world=1, rank=0)
+    assert (start.run_dir, start.ckpt, start.state.step, start.branched) == (
+        run_dir, run_dir / "checkpoints" / "step_000004", 4, False)
+    fresh = resume_or_branch(_cfg(tmp_path / "new", "trainer.resume_from=auto"), world=1, rank=0)
+    assert (fresh.ckpt, fresh.state) == (None, None)
+    # A run that died before its first checkpoint starts over; one whose checkpoints are all damaged is refused.
+    (tmp_path / "early").mkdir()
+    (tmp_path / "early" / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert resume_or_branch(_cfg(tmp_path / "early", "trainer.resume_from=auto"), world=1, rank=0).ckpt is None
+    assert not (tmp_path / "early" / "metrics.jsonl").exists()
+    for ck in (run_dir / "checkpoints").glob("step_*"):
+        (ck / "trainer.json").write_text("{}")
+    with pytest.raises(ConfigError, match="holds checkpoints but none of them verifies"):
+        resume_or_branch(_cfg(run_dir, "trainer.resume_from=auto"), world=1, rank=0)
+
+
+def test_a_disk_without_room_is_refused_before_writing(tmp_path):
+    from gapo.trainer.checkpoint import _room_for
+
+    assert _room_for(tmp_path, 1024) is None
+    msg = _room_for(tmp_path, 1 << 60)
+    assert msg.startswith(f"no room for a checkpoint in {tmp_path}: it needs about 1073741824.00 GiB")
+
+
+# --- preemption, a full disk, a dead rank (the real stack) ------------------------------------------------------
+def _pids_of(run_dir: Path) -> dict[int, int]:
+    """rank -> pid of the processes training into run_dir (from /proc)."""
+    found = {}
+    for env in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            cmd = (env.parent / "cmdline").read_bytes().split(b"\0")
+            if b"gapo.cli" not in cmd or not any(str(run_dir).encode() in c for c in cmd):
+                continue
+            pairs = dict(x.split(b"=", 1) for x in env.read_bytes().split(b"\0") if b"=" in x)
+        except OSError:
+            continue
+        if b"RANK" in pairs and b"LOCAL_RANK" in pairs:
+            found[int(pairs[b"RANK"])] = int(env.parent.name)
+    return found
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_sigterm_saves_exits_75_and_the_resumed_run_is_the_uninterrupted_one(base, tmp_path, nproc):
+    """SIGTERM (SLURM's preemption) to the whole process tree at a random moment of step 2 or 3: every rank
+    finishes its step (or abandons it), saves, and the run exits 75; `--resume auto` then logs exactly the
+    uninterrupted run's metrics."""
+    import random
+
+    out = tmp_path / "p"
+    proc = subprocess.Popen(cmd(out, nproc=nproc), cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    _wait_for_step(out, 1, proc)
+    time.sleep(random.uniform(0.0, 2.0))
+    os.killpg(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 75, err[-3000:]
+    assert "preempted" in err and "`--resume auto` goes on from there" in err
+    saved = sorted(p.name for p in (out / "checkpoints").glob("step_*"))
+    assert saved and not list((out / "checkpoints").glob(".tmp-*"))
+    r = run(out, "--resume", "auto", nproc=nproc)
+    assert "resume     auto: from " in r.stderr
+    assert_same_steps(metrics(base / f"u{nproc}"), metrics(out), [1, 2, 3, 4])
+
+
+@pytest.mark.e2e
+def test_a_full_disk_while_saving_keeps_the_previous_checkpoints(base, tmp_path):
+    out = tmp_path / "f"
+    r = run(out, env={**ENV, "GAPO_FAULT": "enospc:4"}, ok=False)
+    assert r.returncode == 3, r.stderr[-3000:]
+    assert f"checkpoint of step 4 could not be written to {out / 'checkpoints' / '.tmp-step_000004'}" in r.stderr
+    assert "No space left on device" in r.stderr and "GiB are free" in r.stderr
+    ck = out / "checkpoints"
+    assert (ck / "latest").read_text() == "step_000002" and not list(ck.glob(".tmp-*"))
+    from gapo.trainer.checkpoint import verify
+
+    verify(ck / "step_000002")  # intact
+
+
+@pytest.mark.e2e
+def test_a_dead_rank_ends_the_run_at_once_saying_which_and_where_to_resume(tmp_path):
+    out = tmp_path / "d"
+    proc = subprocess.Popen(cmd(out, "trainer.total_steps=40", nproc=2), cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    _wait_for_step(out, 3, proc)
+    pids = _pids_of(out)
+    assert sorted(pids) == [0, 1], pids
+    tic = time.time()
+    os.kill(pids[1], signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)
+    assert time.time() - tic < 60 and proc.returncode not in (0, 75)
+    assert f"rank 1 (pid {pids[1]}) died: killed by SIGKILL" in err, err[-3000:]
+    assert f"the last checkpoint is {out / 'checkpoints' / 'step_000002'}" in err

@@ -8,6 +8,7 @@ Layout of a run directory:
         trainer.json        step, sampler position, wandb id, parent run, world size
         rng_rank{r}.pt      python / numpy / torch (and CUDA, on GPU) RNG states of every rank
         config.yaml         the resolved config that wrote it
+        manifest.json       every other file's size and CRC-32: resume checks the checkpoint is whole
     <output_dir>/checkpoints/latest      name of the newest complete checkpoint
 
 Everything is written under `.tmp-step_000600` and renamed into place after every file is fsynced;
@@ -17,11 +18,13 @@ All ranks must share the filesystem (one node, or a shared mount on several).
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import random
 import shutil
+import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -75,31 +78,58 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written (a full disk): the previous ones are intact, the partial one removed."""
+
+
 def save(actor, tokenizer, cfg: Config, state: TrainerState, run_dir: Path) -> Path:
-    """Collective: every rank calls it. Returns the checkpoint directory."""
+    """Collective: every rank calls it. Returns the checkpoint directory.
+
+    Refuses before writing when the disk has less room than the checkpoint needs (its predecessor's size, or an
+    estimate from the parameter count); a write that fails anyway (ENOSPC, any OSError) on any rank removes the
+    partial directory on every rank's word and stops the run with the path and the bytes needed."""
     rank = dist.get_rank()
     root = run_dir / rundir.CHECKPOINTS
     name = rundir.step_name(state.step)
     tmp, final = root / f".tmp-{name}", root / name
+    failure = None
     if rank == 0:
         if tmp.exists():
             shutil.rmtree(tmp)  # left by a crash during an earlier attempt at this step
         tmp.mkdir(parents=True)
-    dist.barrier()
-    actor.engine.save_checkpoint(str(tmp / "ds"), tag="state", save_latest=False)
-    torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+        failure = _room_for(root, _expected_bytes(root, actor))
+    if (failure := gather(failure)[0]) is not None:
+        _abandon(tmp, rank)
+        raise CheckpointError(failure)
+    try:
+        if os.environ.get("GAPO_FAULT") == f"enospc:{state.step}" and rank == dist.get_world_size() - 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp))  # fault injection (disk tests)
+        actor.engine.save_checkpoint(str(tmp / "ds"), tag="state", save_latest=False)
+        torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+    except OSError as err:
+        failure = f"rank {rank}: {err}"
     # Collective under ZeRO-3 (full tensors on rank 0 only); keys lose the Policy wrapper's "lm." prefix.
     full = actor.engine._zero3_consolidated_16bit_state_dict() if actor.zero_stage == 3 \
         else actor.engine.module.state_dict()
     state_dict = {k.removeprefix("lm."): v for k, v in (full or {}).items()}
-    if rank == 0:
-        actor.module.save_pretrained(tmp / "hf", state_dict=state_dict, safe_serialization=True)
-        tokenizer.save_pretrained(tmp / "hf")
-        (tmp / rundir.STATE).write_text(json.dumps(asdict(state), indent=1))
-        (tmp / rundir.CONFIG).write_text(dump_config(cfg))
-    dist.barrier()
+    if rank == 0 and failure is None:
+        try:
+            actor.module.save_pretrained(tmp / "hf", state_dict=state_dict, safe_serialization=True)
+            tokenizer.save_pretrained(tmp / "hf")
+            (tmp / rundir.STATE).write_text(json.dumps(asdict(state), indent=1))
+            (tmp / rundir.CONFIG).write_text(dump_config(cfg))
+        except OSError as err:
+            failure = f"rank 0: {err}"
+    failures = [f for f in gather(failure) if f]
+    if failures:
+        _abandon(tmp, rank)
+        need = _expected_bytes(root, actor)
+        raise CheckpointError(f"checkpoint of step {state.step} could not be written to {tmp} ({'; '.join(failures)}); "
+                              f"it needs about {need / 2**30:.2f} GiB, {shutil.disk_usage(root).free / 2**30:.2f} GiB "
+                              "are free. The partial checkpoint was removed; the earlier ones are intact")
     if rank == 0:
         _fsync_tree(tmp)
+        _write_atomic(tmp / rundir.MANIFEST, json.dumps(manifest(tmp), indent=1))
         if os.environ.get("GAPO_FAULT") == f"kill_before_rename:{state.step}":  # fault injection (crash tests)
             os.kill(os.getpid(), 9)
         if final.exists():
@@ -109,6 +139,80 @@ def save(actor, tokenizer, cfg: Config, state: TrainerState, run_dir: Path) -> P
         _prune(root, cfg.trainer.keep_last, cfg.trainer.keep_steps, cfg.trainer.keep_every)
     dist.barrier()
     return final
+
+
+def _expected_bytes(root: Path, actor) -> int:
+    """The newest complete checkpoint's size, or (none yet) the DeepSpeed state (weights, fp32 master and Adam
+    moments: 16 bytes a parameter in bf16, 12 in fp32) plus the 16/32-bit export."""
+    done = rundir.checkpoints(root.parent)
+    if done:
+        newest = done[max(done)]
+        return sum(p.stat().st_size for p in newest.rglob("*") if p.is_file())
+    params = sum(getattr(p, "ds_numel", p.numel()) for p in actor.module.parameters())
+    bf16 = actor.cfg.model.dtype == "bfloat16"
+    return params * ((2 + 4 + 4 + 4) + 2 if bf16 else (4 + 4 + 4) + 4)
+
+
+def _room_for(root: Path, need: int) -> str | None:
+    free = shutil.disk_usage(root).free
+    if free < 1.1 * need:
+        return (f"no room for a checkpoint in {root}: it needs about {need / 2**30:.2f} GiB (+10 %), "
+                f"{free / 2**30:.2f} GiB are free. Free space, lower trainer.keep_last, or move trainer.output_dir; "
+                "the run stopped before writing, the earlier checkpoints are intact")
+    return None
+
+
+def _abandon(tmp: Path, rank: int) -> None:
+    """Collective: the partial checkpoint goes (rank 0 removes it once every rank has stopped writing)."""
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+
+
+def manifest(ckpt: Path) -> dict[str, dict[str, int]]:
+    """Every file of a checkpoint (but the manifest) with its size and CRC-32 (zlib's: about 1 GB/s)."""
+    out = {}
+    for path in sorted(p for p in ckpt.rglob("*") if p.is_file() and p.name != rundir.MANIFEST):
+        crc = 0
+        with open(path, "rb") as f:
+            while block := f.read(1 << 24):
+                crc = zlib.crc32(block, crc)
+        out[str(path.relative_to(ckpt))] = {"bytes": path.stat().st_size, "crc32": crc}
+    return out
+
+
+def verify(ckpt: Path) -> None:
+    """A checkpoint is whole: every file its manifest lists is there, of its size and checksum. Names the file
+    and the checkpoint otherwise (a node that died mid-copy, half an rsync). Checkpoints written before the
+    manifest existed are taken as they are, with a warning."""
+    listed = ckpt / rundir.MANIFEST
+    if not listed.is_file():
+        log.warning("checkpoint %s has no %s (written by an earlier gapo): not verified", ckpt, rundir.MANIFEST)
+        return
+    want = json.loads(listed.read_text())
+    got = manifest(ckpt)
+    for rel, meta in want.items():
+        have = got.get(rel)
+        if have is None:
+            raise ConfigError(f"checkpoint {ckpt}: {rel} is missing; the checkpoint is incomplete or damaged")
+        if have["bytes"] != meta["bytes"]:
+            raise ConfigError(f"checkpoint {ckpt}: {rel} is truncated or padded ({have['bytes']} bytes, the manifest "
+                              f"says {meta['bytes']}); the checkpoint is incomplete or damaged")
+        if have["crc32"] != meta["crc32"]:
+            raise ConfigError(f"checkpoint {ckpt}: {rel} is corrupt (its checksum differs from the manifest's)")
+
+
+def newest_valid(run_dir: Path) -> Path | None:
+    """`--resume auto`: the newest checkpoint of the run that verifies, falling back past damaged ones (each said
+    with a warning); None when there is none (a fresh start)."""
+    for step, ckpt in sorted(rundir.checkpoints(run_dir).items(), reverse=True):
+        try:
+            verify(ckpt)
+            return ckpt
+        except ConfigError as err:
+            log.warning("--resume auto: skipping step %d: %s", step, err)
+    return None
 
 
 def check_shared_filesystem(run_dir: Path) -> None:
@@ -179,6 +283,26 @@ def check_compatible(saved: Config, cfg: Config, state: TrainerState, world: int
     return changed
 
 
+AUTO = "auto"  # trainer.resume_from / --resume: the run's newest checkpoint that verifies, or a fresh start
+
+
+def _agreed(work, rank: int):
+    """`work()` done once, by rank 0 (reading and checksumming a checkpoint), its result or its ConfigError shared
+    with every rank, so that all ranks go on, or stop, together. Without a process group, done here."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return work()
+    result, error = None, None
+    if rank == 0:
+        try:
+            result = work()
+        except ConfigError as err:
+            error = str(err)
+    result, error = gather((result, error))[0]
+    if error:
+        raise ConfigError(error)
+    return result
+
+
 class Start(NamedTuple):
     """How a run begins: fresh (ckpt None), going on from its own checkpoint, or branching from another run's."""
 
@@ -195,8 +319,19 @@ def resume_or_branch(cfg: Config, world: int, rank: int) -> Start:
     parent, whose log stays as it was. A fresh run or a branch refuses a directory that already holds a run."""
     run_dir = Path(cfg.trainer.output_dir)
     ckpt, state, parent, branched = None, None, None, False
-    if cfg.trainer.resume_from:
+    auto = cfg.trainer.resume_from == AUTO
+    if auto:
+        ckpt = _agreed(lambda: newest_valid(run_dir), rank)
+        if ckpt is None and rundir.checkpoints(run_dir):
+            raise ConfigError(f"--resume auto: {run_dir} holds checkpoints but none of them verifies (see the warnings "
+                              "above); resume one by name, or move the run away to start over")
+        if rank == 0:
+            log.info("--resume auto: %s", f"going on from {ckpt}" if ckpt else
+                     f"no checkpoint in {run_dir}: a fresh start")
+    elif cfg.trainer.resume_from:
         ckpt = rundir.find(cfg.trainer.resume_from)
+        _agreed(lambda: verify(ckpt), rank)
+    if ckpt is not None:
         state, saved = read(ckpt)
         changed = check_compatible(saved, cfg, state, world)
         parent_dir = rundir.run_of(ckpt)
@@ -208,7 +343,12 @@ def resume_or_branch(cfg: Config, world: int, rank: int) -> Start:
         if rank == 0:
             log.info("resuming from %s (step %d)%s; changed: %s", ckpt, state.step,
                      f", branching into {run_dir}" if branched else "", ", ".join(changed) or "-")
-    if (state is None or branched) and ((run_dir / rundir.METRICS).exists() or (run_dir / rundir.CHECKPOINTS).exists()):
+    if auto and state is None and (run_dir / rundir.METRICS).exists():  # died before its first checkpoint
+        log.warning("--resume auto: %s has no checkpoint; its %s is started over", run_dir, rundir.METRICS)
+        if rank == 0:
+            (run_dir / rundir.METRICS).unlink()
+    elif (state is None or branched) and ((run_dir / rundir.METRICS).exists() or
+                                          (run_dir / rundir.CHECKPOINTS).exists()):
         raise ConfigError(f"trainer.output_dir={run_dir} already holds a run: continue it with --resume {run_dir}, "
                           "or choose another output_dir")
     return Start(run_dir, ckpt, state, parent, branched)

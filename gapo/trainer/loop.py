@@ -38,7 +38,7 @@ from gapo.rollout.engine import Engine, build_engine
 from gapo.rollout.types import Rollout, SamplingConfig
 from gapo.study.evaluate import Bench, evaluate, load_benchmark, summary, write_results
 from gapo.tracking import Tracker
-from gapo.trainer import checkpoint
+from gapo.trainer import checkpoint, preempt
 from gapo.trainer.actor import Actor
 from gapo.trainer.logprobs import MicroBatch, pack_step
 from gapo.trainer.losses import (
@@ -52,6 +52,7 @@ from gapo.trainer.losses import (
     policy_loss,
     rollout_weights,
 )
+from gapo.trainer.preempt import Preempted
 from gapo.trainer.step_metrics import RankStep, step_metrics
 
 log = logging.getLogger("gapo.train")
@@ -108,6 +109,7 @@ class Setup:
     actor: Actor
     tracker: Tracker | None  # rank 0 only
     wandb_id: str | None
+    resumed: bool  # went on from a checkpoint (its run's step-0 validation is logged already)
 
 
 def setup(cfg: Config, rank: int, world: int) -> Setup:
@@ -121,6 +123,9 @@ def setup(cfg: Config, rank: int, world: int) -> Setup:
     console.attach(run_dir)  # before the engine starts, so that its processes write to this run's train.log
     if rank == 0:
         console.say(console.run_header(cfg, run_dir, world))
+        if t.resume_from == checkpoint.AUTO:
+            found = f"from {start.ckpt} (step {start.state.step})" if start.ckpt else "no checkpoint yet, a fresh start"
+            console.say(f"resume     auto: {found}")
 
     # Memory plan: from config.json alone, so a run that cannot fit stops before anything loads.
     device_gb = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30 \
@@ -180,10 +185,11 @@ def setup(cfg: Config, rank: int, world: int) -> Setup:
     wandb_id = gather(tracker.wandb_id if tracker else None)[0]
     return Setup(cfg=cfg, run_dir=run_dir, first_step=start.state.step + 1 if start.state else 1, parent=start.parent,
                  tokenizer=tokenizer, problems=problems, prompt_ids=prompt_ids, sampler=sampler, benches=benches,
-                 engine=engine, actor=actor, tracker=tracker, wandb_id=wandb_id)
+                 engine=engine, actor=actor, tracker=tracker, wandb_id=wandb_id, resumed=start.ckpt is not None)
 
 
 def train(cfg: Config) -> Path:
+    preempt.install()  # SIGTERM / SIGUSR1: stop at the next safe point, save, exit PREEMPTED
     rank, world = init_distributed(cfg.trainer.collective_timeout_min)
     shape = cfg.shape(world)
     random.seed(cfg.trainer.seed + rank)
@@ -213,14 +219,22 @@ def train(cfg: Config) -> Path:
             console.say(f"validation at step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in m.items()
                                                                       if k.startswith("val/mean/")))
 
-    if s.benches and s.first_step == 1:
+    if s.benches and s.first_step == 1 and not s.resumed:
         validate(0)
     skipped_in_a_row = 0
+    last_rest_s = last_save_s = 0.0  # the previous step's time after scoring, and its checkpoint's: a deadline check
+
+    def save(step: int) -> None:
+        checkpoint.save(actor, s.tokenizer, cfg, checkpoint.TrainerState(
+            step=step, sampler=s.sampler.state_dict(), world_size=world, wandb_id=s.wandb_id, parent=s.parent),
+            run_dir)
+
     startup_s = process_age()  # process start to the first step (the step-0 validation included)
     for step in tqdm(range(s.first_step, t.total_steps + 1), desc="steps", disable=rank != 0,
                      initial=s.first_step - 1, total=t.total_steps, file=console.terminal()):
         timings: dict[str, float] = {}
         step_tic = time.perf_counter()
+        before = s.sampler.state_dict(), checkpoint.rng_state()  # this step redone on resume, if it is abandoned
         # --- 1. prompts (the same global draw on every rank, each takes its contiguous shard) -> rollouts ------
         batch = s.sampler.next(r.prompts_per_step)
         mine = list(range(rank * shape.prompts, (rank + 1) * shape.prompts))
@@ -251,6 +265,17 @@ def train(cfg: Config) -> Path:
             keep &= (ga.c > 0) & (ga.c < ga.k)
         if r.mask_truncated:
             keep &= torch.tensor([not x.truncated for x in rollouts])
+        since = preempt.agreed(actor.device)
+        if since is not None and since + last_rest_s + last_save_s > t.preempt_deadline_s:
+            # Signalled, and finishing the step would pass the deadline: nothing has moved yet, so the previous
+            # step's state is saved, with the sampler and RNG from before this step.
+            s.sampler.load_state_dict(before[0])
+            checkpoint.set_rng_state(before[1])
+            save(step - 1)
+            raise Preempted(f"preempted {since:.0f} s ago: step {step} abandoned (it would end past "
+                            f"trainer.preempt_deadline_s={t.preempt_deadline_s:g}), step {step - 1} saved in "
+                            f"{run_dir / rundir.CHECKPOINTS}; `--resume auto` goes on from there")
+        rest_tic = time.perf_counter()
 
         # --- 3. micro-batches, old log-probs (and entropy, engine/trainer mismatch) ------------------------------
         tic = time.perf_counter()
@@ -300,11 +325,16 @@ def train(cfg: Config) -> Path:
         if s.benches and ((t.eval_every and step % t.eval_every == 0) or step == t.total_steps):
             validate(step)
 
-        # --- 7. checkpoint (collective) ---------------------------------------------------------------------------
-        if (t.save_every and step % t.save_every == 0) or step == t.total_steps:
-            checkpoint.save(actor, s.tokenizer, cfg, checkpoint.TrainerState(
-                step=step, sampler=s.sampler.state_dict(), world_size=world, wandb_id=s.wandb_id, parent=s.parent),
-                run_dir)
+        # --- 7. checkpoint (collective), and a preemption's stop ---------------------------------------------------
+        since = preempt.agreed(actor.device)
+        last_rest_s = time.perf_counter() - rest_tic
+        if (t.save_every and step % t.save_every == 0) or step == t.total_steps or since is not None:
+            tic = time.perf_counter()
+            save(step)
+            last_save_s = time.perf_counter() - tic
+        if since is not None and step < t.total_steps:
+            raise Preempted(f"preempted {since:.0f} s ago: step {step} saved in {run_dir / rundir.CHECKPOINTS}; "
+                            "`--resume auto` goes on from there")
     if tracker:
         if len(val_history) > 1:
             (s0, m0), (s1, m1) = val_history[0], val_history[-1]

@@ -1,0 +1,62 @@
+"""torchrun for gapo-train's ranks, made preemption-safe: `python -m gapo.launch <torchrun's arguments>`.
+
+torchrun handles SIGTERM by signalling its workers and killing them 30 seconds later, and dies of SIGUSR1, whose
+default action is to terminate: either would cut a rank's final checkpoint short. Here both signals are forwarded
+to the workers (each rank finishes its step, saves and exits with gapo.trainer.preempt.PREEMPTED, see there) and
+torchrun waits for them; when every failed rank exited with PREEMPTED, so does this launcher, so that a requeue
+script sees one code. Everything else is torchrun's own (`python -m torch.distributed.run`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+from gapo.trainer.preempt import PREEMPTED, SIGNALS
+
+
+def _children() -> list[int]:
+    """The processes whose parent is this one (torchrun's workers), from /proc."""
+    me, found = os.getpid(), []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended meanwhile
+            continue
+        if int(fields[1]) == me:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _forward(signum, frame) -> None:  # noqa: ARG001 - signal's signature
+    for pid in _children():
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+
+def main() -> int:
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGINT,SIGHUP,SIGQUIT"  # SIGTERM stays ours
+    for sig in SIGNALS:
+        signal.signal(sig, _forward)
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+
+    try:
+        torchrun()
+    except ChildFailedError as err:
+        if {f.exitcode for f in err.failures.values()} == {PREEMPTED}:
+            return PREEMPTED
+        for rank, f in sorted(err.failures.items()):
+            how = f"killed by {signal.Signals(-f.exitcode).name}" if f.exitcode < 0 else f"exit code {f.exitcode}"
+            print(f"gapo-train: rank {rank} (pid {f.pid}) died: {how}; the other ranks were stopped",
+                  file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
