@@ -97,7 +97,8 @@ def test_slurm_scripts_parse_and_branches_wait_for_their_parents(tmp_path):
     assert "--dependency=aftercorr:$RUNS" in submit
     # A branch task starts from its parent's step-600 checkpoint, a requeued one from its own latest.
     assert "runs/fig7_intervention/gspo_asym/seed1/checkpoints/step_000600" in branches
-    assert 'if [ -f "$OUT/checkpoints/latest" ]; then RESUME=(--resume "$OUT")' in branches
+    assert 'RESUME=(--resume auto)' in branches and "--signal=USR1@300" in runs
+    assert 'scontrol requeue "${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"' in runs  # a preempted task (exit 75)
 
 
 def test_slurm_script_runs_the_right_command_for_each_task(tmp_path):
@@ -108,12 +109,13 @@ def test_slurm_script_runs_the_right_command_for_each_task(tmp_path):
     fake = tmp_path / "bin"
     fake.mkdir()
     (fake / "srun").write_text('#!/bin/bash\n"$@"\n')
-    (fake / "torchrun").write_text('#!/bin/bash\nprintf "%s\\n" "$@" > "$RECORD"\n')
-    (fake / "scontrol").write_text("#!/bin/bash\necho node1\n")
+    (fake / "python").write_text('#!/bin/bash\nprintf "%s\\n" "$@" > "$RECORD"\nexit "${EXIT:-0}"\n')
+    (fake / "scontrol").write_text('#!/bin/bash\necho "$@" >> "$RECORD.scontrol"; echo node1\n')
     for f in fake.iterdir():
         f.chmod(0o755)
     env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "SLURM_ARRAY_TASK_ID": "1", "SLURM_NNODES": "1",
-           "SLURM_JOB_NODELIST": "node1", "RECORD": str(tmp_path / "args")}
+           "SLURM_JOB_NODELIST": "node1", "RECORD": str(tmp_path / "args"), "GAPO_PYTHON": str(fake / "python"),
+           "SLURM_ARRAY_JOB_ID": "77"}
     assert subprocess.run(["bash", str(branches)], env=env).returncode == 0
     args = (tmp_path / "args").read_text().split("\n")
     job = [j for j in js if j.parent is not None][1]
@@ -122,7 +124,10 @@ def test_slurm_script_runs_the_right_command_for_each_task(tmp_path):
     (job.out / "checkpoints" / "latest").write_text("step_000700")  # requeued after saving step 700
     assert subprocess.run(["bash", str(branches)], env=env).returncode == 0
     args = (tmp_path / "args").read_text().split("\n")
-    assert args[args.index("--resume") + 1] == str(job.out)
+    assert args[args.index("--resume") + 1] == "auto" and args[:2] == ["-m", "gapo.launch"]
+    assert "requeue" not in (tmp_path / "args.scontrol").read_text()
+    r = subprocess.run(["bash", str(branches)], env={**env, "EXIT": "75"})  # preempted: the task requeues itself
+    assert r.returncode == 75 and "requeue 77_1" in (tmp_path / "args.scontrol").read_text()
 
 
 def test_bad_manifests_name_the_field(tmp_path):

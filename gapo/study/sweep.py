@@ -313,8 +313,10 @@ def slurm(m: Manifest, js: list[Job], out_dir: Path) -> list[Path]:
         kind = "runs" if k == 0 else "branches"
         script.write_text(f"""#!/bin/bash
 # {m.title} ({m.produces}): {kind}, one array task per run x seed.
-# Submit with submit.sh (next to this file). A task that SLURM requeues (preemption, the time limit) runs the same
-# command again, which resumes from the task's own latest checkpoint.
+# Submit with submit.sh (next to this file). Five minutes before a time limit or at a preemption SLURM sends
+# SIGUSR1 to every process: each rank finishes its step (or abandons it), saves, and the task exits 75; the task
+# then requeues itself, and SLURM requeues it on a node failure (--requeue). A requeued task runs the same command,
+# which goes on from its newest checkpoint that verifies (--resume auto).
 #SBATCH --job-name={m.name}-{kind}
 #SBATCH --array=0-{len(stage) - 1}
 #SBATCH --nodes={m.nodes}
@@ -322,7 +324,7 @@ def slurm(m: Manifest, js: list[Job], out_dir: Path) -> list[Path]:
 #SBATCH --gpus-per-node={m.nproc}
 #SBATCH --cpus-per-task=32
 #SBATCH --requeue
-#SBATCH --signal=B:USR1@300
+#SBATCH --signal=USR1@300
 #SBATCH --output={out_dir}/%x-%A_%a.out
 set -euo pipefail
 ARGS=(
@@ -336,13 +338,18 @@ FROM=(
 )
 i=$SLURM_ARRAY_TASK_ID
 OUT=${{OUTS[$i]}}
-RESUME=()
-if [ -f "$OUT/checkpoints/latest" ]; then RESUME=(--resume "$OUT")
-elif [ -n "${{FROM[$i]}}" ]; then RESUME=(--resume "${{FROM[$i]}}"); fi
+RESUME=(--resume auto)  # its own newest checkpoint, or a fresh start
+if [ ! -f "$OUT/checkpoints/latest" ] && [ -n "${{FROM[$i]}}" ]; then RESUME=(--resume "${{FROM[$i]}}"); fi
 eval "set -- ${{ARGS[$i]}}"
 HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-srun torchrun --nnodes "$SLURM_NNODES" --nproc_per_node {m.nproc} --rdzv_backend c10d \\
-  --rdzv_endpoint "$HEAD:29500" -m gapo.cli "$@" "${{RESUME[@]}}"
+code=0
+# gapo.launch is torchrun that leaves SIGTERM / SIGUSR1 to the ranks (torchrun alone would cut their save short).
+srun "${{GAPO_PYTHON:-python}}" -m gapo.launch --nnodes "$SLURM_NNODES" --nproc_per_node {m.nproc} \\
+  --rdzv_backend c10d --rdzv_endpoint "$HEAD:29500" -m gapo.cli "$@" "${{RESUME[@]}}" || code=$?
+if [ "$code" -eq 75 ]; then  # preempted or at the time limit, its last step saved: again, later
+  scontrol requeue "${{SLURM_ARRAY_JOB_ID}}_${{SLURM_ARRAY_TASK_ID}}"
+fi
+exit "$code"
 """)
         written.append(script)
     submit = out_dir / "submit.sh"
