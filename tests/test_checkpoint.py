@@ -214,7 +214,7 @@ def test_damaged_checkpoints_give_a_clear_error(base, tmp_path, damage, needle):
 @pytest.mark.parametrize("args, nproc, needle", [
     (["rollout.group_size=4", "trainer.ppo_mini_batch_size=16"], 1, "rollout.group_size: 8 -> 4"),
     (["model.path=smollm2-135m"], 1, "model.path: 'tiny-qwen2' -> 'smollm2-135m'"),
-    ([], 2, "written by 1 ranks, this run has 2"),
+    (["trainer.micro_batch_size=4"], 2, "trainer.micro_batch_size: 8 -> 4"),
 ])
 def test_unsafe_changes_on_resume_are_refused(base, tmp_path, args, nproc, needle):
     r = run(tmp_path / "x", *args, nproc=nproc, resume=base / "u1", ok=False)
@@ -419,3 +419,36 @@ def test_a_dead_rank_ends_the_run_at_once_saying_which_and_where_to_resume(tmp_p
     assert time.time() - tic < 60 and proc.returncode not in (0, 75)
     assert f"rank 1 (pid {pids[1]}) died: killed by SIGKILL" in err, err[-3000:]
     assert f"the last checkpoint is {out / 'checkpoints' / 'step_000002'}" in err
+
+
+def _rollouts(run_dir: Path, step: int) -> list[dict]:
+    rows = [json.loads(x) for x in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["step"] == step]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("saved, now", [(2, 1), (1, 2)])
+def test_a_checkpoint_resumes_on_another_number_of_ranks(base, tmp_path, saved, now):
+    """2 ranks (ZeRO-3) -> 1 rank (stage 0) and back, through DeepSpeed's universal checkpoint. Step 3's
+    rollouts come from the step-2 weights alone (generation does not depend on the world size): identical
+    tokens. Steps 3-4's losses and the final weights need the Adam moments and the LR schedule too: fresh
+    moments would move every weight by ~lr at step 3. They match the uninterrupted run up to the order in
+    which the ranks' gradients are summed."""
+    parent = base / f"u{saved}"
+    out = tmp_path / "r"
+    r = run(out, nproc=now, resume=parent / "checkpoints" / "step_000002")
+    assert f"checkpoint was written by {saved} ranks, this run has {now}" in r.stderr
+    assert not (out / ".reshard").exists()
+    assert _rollouts(out, 3) == _rollouts(parent, 3)
+    a, b = metrics(parent), metrics(out)
+    for step in [3, 4]:
+        for k in ["reward/mean", "grad_norm", "approx_kl", "clip_frac", "entropy", "lr"]:
+            assert b[step][k] == pytest.approx(a[step][k], rel=1e-4, abs=1e-6), (step, k)
+    from safetensors.torch import load_file
+
+    ref = load_file(parent / "checkpoints" / "step_000004" / "hf" / "model.safetensors")
+    got = load_file(out / "checkpoints" / "step_000004" / "hf" / "model.safetensors")
+    lr = a[3]["lr"]
+    assert ref.keys() == got.keys()
+    assert max(float((ref[k] - got[k]).abs().max()) for k in ref) < 0.05 * lr
+    assert json.loads((out / "checkpoints" / "step_000004" / "trainer.json").read_text())["world_size"] == now

@@ -87,7 +87,7 @@ class _Schedule(torch.optim.lr_scheduler.LambdaLR):
 
 
 class Actor:
-    def __init__(self, cfg: Config, model_dir: str):
+    def __init__(self, cfg: Config, model_dir: str, load_universal: bool = False):
         import deepspeed
         from transformers import AutoModelForCausalLM
         from transformers.integrations import HfDeepSpeedConfig
@@ -114,6 +114,8 @@ class Actor:
             "zero_optimization": {"stage": self.zero_stage, "reduce_bucket_size": REDUCE_BUCKET},
             "wall_clock_breakdown": False,
         }
+        if load_universal and self.zero_stage > 0:  # resuming a checkpoint of another world size (checkpoint.reshard)
+            ds_config["checkpoint"] = {"load_universal": True}
         if bf16:
             # Gradients of bf16 weights are summed over micro-batches and ranks in fp32: a step's token-mean
             # loss over ~10^6 tokens at lr 1e-6 is made of terms that a bf16 sum (8 bits of mantissa) drops.

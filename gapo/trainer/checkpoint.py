@@ -5,7 +5,7 @@ Layout of a run directory:
     <output_dir>/checkpoints/step_000600/
         ds/                 DeepSpeed engine state (model, optimizer, LR scheduler), one shard per rank
         hf/                 the policy as a Hugging Face model + tokenizer (gapo-eval, vLLM, transformers)
-        trainer.json        step, sampler position, wandb id, parent run, world size
+        trainer.json        step, sampler position, wandb id, parent run, world size (another one re-shards)
         rng_rank{r}.pt      python / numpy / torch (and CUDA, on GPU) RNG states of every rank
         config.yaml         the resolved config that wrote it
         manifest.json       every other file's size and CRC-32: resume checks the checkpoint is whole
@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import yaml
+from torch import Tensor
 
 from gapo import rundir
 from gapo.config import Config, ConfigError, dump_config, resolve
@@ -278,8 +279,9 @@ def check_compatible(saved: Config, cfg: Config, state: TrainerState, world: int
                           "rollout engine settings and trainer.total_steps/output_dir/save_every/keep_last/"
                           "eval_every/log_rollouts may change")
     if world != state.world_size:
-        raise ConfigError(f"checkpoint was written by {state.world_size} ranks, this run has {world}: the ZeRO "
-                          "partitions cannot be re-sharded on resume; resume with the same --nproc")
+        log.warning("checkpoint was written by %d ranks, this run has %d: its ZeRO shards are re-cut through "
+                    "DeepSpeed's universal checkpoint (docs/REFERENCE.md, 'Resuming on another number of GPUs')",
+                    state.world_size, world)
     return changed
 
 
@@ -354,17 +356,130 @@ def resume_or_branch(cfg: Config, world: int, rank: int) -> Start:
     return Start(run_dir, ckpt, state, parent, branched)
 
 
-def load(actor, ckpt: Path) -> None:
-    """Collective. Restores engine state (model, optimizer, scheduler) and this rank's RNG states."""
-    rank = dist.get_rank()
-    path, _ = actor.engine.load_checkpoint(str(ckpt / "ds"), tag="state", load_optimizer_states=True,
-                                          load_lr_scheduler_states=True)
-    if path is None:
-        raise ConfigError(f"checkpoint {ckpt}: DeepSpeed could not load {ckpt / 'ds'}")
-    rng_file = ckpt / f"rng_rank{rank}.pt"
+def load(actor, ckpt: Path, saved_world: int, run_dir: Path) -> None:
+    """Collective. Restores engine state (model, optimizer, scheduler) and this rank's RNG states. A checkpoint
+    written by another number of ranks is re-cut first (reshard); rank r then takes rank r mod N's RNG states."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if saved_world == world:
+        path, _ = actor.engine.load_checkpoint(str(ckpt / "ds"), tag="state", load_optimizer_states=True,
+                                              load_lr_scheduler_states=True)
+        if path is None:
+            raise ConfigError(f"checkpoint {ckpt}: DeepSpeed could not load {ckpt / 'ds'}")
+    else:
+        reshard(actor, ckpt, saved_world, run_dir / RESHARD)
+    rng_file = ckpt / f"rng_rank{rank % saved_world}.pt"
     if not rng_file.is_file():
         raise ConfigError(f"checkpoint {ckpt}: {rng_file.name} is missing")
     set_rng_state(torch.load(rng_file, weights_only=False))
+
+
+# Resuming on another number of ranks. A ZeRO checkpoint holds each rank's slice of the flat fp32 weights and
+# Adam moments; DeepSpeed's universal checkpoint (deepspeed.checkpoint.ds_to_universal) re-assembles them one
+# folder per parameter (zero/<name>/{fp32,exp_avg,exp_avg_sq}.pt, zero/optimizer_state.pt with the step and the
+# hyper-parameters, and the model-states files with the LR schedule), from which an engine built with
+# checkpoint.load_universal cuts its own slices. DeepSpeed has no such path at stage 0 (one rank in fp32, see
+# Config.zero_stage), so that side of the conversion is written here: the same folder layout from and into a
+# plain torch AdamW.
+RESHARD = ".reshard"  # in the run directory: the universal form of the checkpoint being loaded, removed once read
+
+
+def reshard(actor, ckpt: Path, saved_world: int, scratch: Path) -> None:
+    """Collective. Loads `ckpt` (written by `saved_world` ranks) into this run's engine: model, Adam moments and
+    step, LR schedule. Rank 0 converts it once into `scratch`; every rank then reads its own slices."""
+    rank = dist.get_rank()
+    saved_stage = read(ckpt)[1].zero_stage(saved_world)
+    universal = scratch / ckpt.name
+
+    def convert() -> None:
+        tmp = scratch / f".tmp-{ckpt.name}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(universal, ignore_errors=True)
+        try:
+            if saved_stage == 0:
+                _stage0_to_universal(ckpt / "ds" / "state", tmp, [n for n, _ in actor.engine.module.named_parameters()])
+            else:
+                from argparse import Namespace
+
+                from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+                ds_to_universal(Namespace(input_folder=str(ckpt / "ds" / "state"), output_folder=str(tmp),
+                                          num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False,
+                                          strict=True, inject_missing_state=False))
+        except Exception as err:  # DeepSpeed's converter asserts on what it cannot read; named, then stopped
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise ConfigError(f"checkpoint {ckpt}: written by {saved_world} ranks (ZeRO stage {saved_stage}), it "
+                              f"could not be converted for {dist.get_world_size()} ranks "
+                              f"({type(err).__name__}: {err}); resume it with --nproc {saved_world}") from None
+        if actor.zero_stage in (1, 2):  # stage 3 writes flat tensors; the stage-1/2 reader wants {"param": shaped}
+            for name, param in actor.engine.module.named_parameters():
+                for f in (tmp / "zero" / name).glob("*.pt"):
+                    value = torch.load(f, map_location="cpu", weights_only=False)
+                    if not isinstance(value, dict):
+                        torch.save({"param": value.reshape(param.shape)}, f)
+        # The model-states file is looked up as zero_pp_rank_0_mp_rank_00 at stage 3, mp_rank_00 below it.
+        states = sorted(tmp.glob("*model_states.pt"))[0]
+        for name in ["zero_pp_rank_0_mp_rank_00_model_states.pt", "mp_rank_00_model_states.pt"]:
+            if not (tmp / name).exists():
+                shutil.copyfile(states, tmp / name)
+        os.replace(tmp, universal)
+
+    _agreed(convert, rank)
+    if actor.zero_stage == 0:
+        _universal_to_stage0(actor, universal)
+    else:
+        path, _ = actor.engine.load_checkpoint(str(scratch), tag=universal.name, load_optimizer_states=True,
+                                              load_lr_scheduler_states=True)
+        if path is None:
+            raise ConfigError(f"checkpoint {ckpt}: DeepSpeed could not load its universal form {universal}")
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(scratch)
+
+
+def _stage0_to_universal(src: Path, out: Path, names: list[str]) -> None:
+    """A stage-0 checkpoint (the torch AdamW state inside the model-states file, by parameter index in
+    `names`' order) in the universal layout."""
+    states = torch.load(src / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    module, opt = states.pop("module"), states.pop("optimizer")
+    for i, name in enumerate(names):
+        folder = out / "zero" / name
+        folder.mkdir(parents=True)
+        weight = module[name].float()
+        moments = opt["state"].get(i, {})  # a parameter that has had no step yet has no moments
+        for key, value in [("fp32", weight), ("exp_avg", moments.get("exp_avg", torch.zeros_like(weight))),
+                           ("exp_avg_sq", moments.get("exp_avg_sq", torch.zeros_like(weight)))]:
+            torch.save(value.reshape(-1).clone(), folder / f"{key}.pt")
+    step = next((s["step"] for s in opt["state"].values()), torch.tensor(0.0))
+    torch.save({"optimizer_state_dict": {"state": {0: {"step": step}}, "param_groups": opt["param_groups"]},
+                "param_groups": opt["param_groups"]}, out / "zero" / "optimizer_state.pt")
+    torch.save(states, out / "mp_rank_00_model_states.pt")
+
+
+def _universal_tensor(path: Path, like: Tensor) -> Tensor:
+    value = torch.load(path, map_location="cpu", weights_only=False)
+    value = value["param"] if isinstance(value, dict) else value  # stages 1-2 write {"param": ...}, stage 3 flat
+    return value.reshape(like.shape).to(like.dtype)
+
+
+def _universal_to_stage0(actor, universal: Path) -> None:
+    """The universal layout into a stage-0 engine: weights, the torch AdamW's moments, step and
+    hyper-parameters, the LR schedule and DeepSpeed's step counters."""
+    opt_state = torch.load(universal / "zero" / "optimizer_state.pt", weights_only=False)["optimizer_state_dict"]
+    step = opt_state["state"][0]["step"]
+    optimizer = actor.engine.optimizer
+    for name, param in actor.engine.module.named_parameters():
+        fp32, exp_avg, exp_avg_sq = (_universal_tensor(universal / "zero" / name / f"{key}.pt", param)
+                                     for key in ["fp32", "exp_avg", "exp_avg_sq"])
+        with torch.no_grad():
+            param.copy_(fp32)
+        optimizer.state[param] = {"step": torch.as_tensor(step, dtype=torch.float32).clone(),
+                                  "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    hyper = {k: v for k, v in opt_state["param_groups"][0].items() if k != "params"}
+    for group in optimizer.param_groups:
+        group.update(hyper)
+    states = torch.load(universal / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    actor.scheduler.load_state_dict(states["lr_scheduler"])
+    for key in ["global_steps", "global_samples", "skipped_steps"]:
+        setattr(actor.engine, key, states[key])
 
 
 def rng_state() -> dict:

@@ -169,9 +169,10 @@ def setup(cfg: Config, rank: int, world: int) -> Setup:
                           max_model_len=d.max_prompt_tokens + max(r.max_new_tokens, ev.max_new_tokens),
                           gpu_memory_utilization=r.gpu_memory_utilization, kv_cache_gb=r.kv_cache_gb,
                           sleep_mode=r.sleep_between_steps, compile=r.compile)
-    actor = Actor(cfg, model_dir)
-    if start.ckpt is not None:
-        checkpoint.load(actor, start.ckpt)  # model, optimizer, scheduler, this rank's RNG states
+    resharding = start.state is not None and start.state.world_size != world
+    actor = Actor(cfg, model_dir, load_universal=resharding)
+    if start.ckpt is not None:  # model, optimizer, scheduler, this rank's RNG states
+        checkpoint.load(actor, start.ckpt, start.state.world_size, run_dir)
         sampler.load_state_dict(start.state.sampler)
         engine.push_weights(actor.gathered_weights())
 
