@@ -421,34 +421,57 @@ def test_a_dead_rank_ends_the_run_at_once_saying_which_and_where_to_resume(tmp_p
     assert f"the last checkpoint is {out / 'checkpoints' / 'step_000002'}" in err
 
 
-def _rollouts(run_dir: Path, step: int) -> list[dict]:
+def _rollouts(run_dir: Path, step: int) -> list[tuple]:
+    """What was sampled and scored at `step`, in problem order (not which rank held it, nor its IS ratios,
+    which follow the mini-batch split)."""
     rows = [json.loads(x) for x in (run_dir / "rollouts.jsonl").read_text().splitlines()]
-    return [r for r in rows if r["step"] == step]
+    return sorted((r["problem"], r["text"], r["reward"], r["adv"], r["len"]) for r in rows if r["step"] == step)
 
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("saved, now", [(2, 1), (1, 2)])
 def test_a_checkpoint_resumes_on_another_number_of_ranks(base, tmp_path, saved, now):
-    """2 ranks (ZeRO-3) -> 1 rank (stage 0) and back, through DeepSpeed's universal checkpoint. Step 3's
-    rollouts come from the step-2 weights alone (generation does not depend on the world size): identical
-    tokens. Steps 3-4's losses and the final weights need the Adam moments and the LR schedule too: fresh
-    moments would move every weight by ~lr at step 3. They match the uninterrupted run up to the order in
-    which the ranks' gradients are summed."""
+    """gapo-train resumes a 2-rank (ZeRO-3) checkpoint on 1 rank (stage 0) and a 1-rank one on 2, and goes on
+    to write its own. Step 3's rollouts come from the step-2 weights alone (generation does not depend on the
+    world size): the same tokens and rewards as the uninterrupted run. Its later metrics are not compared: which
+    rollouts share a mini-batch follows the world size (docs/REFERENCE.md); the state itself is checked exactly
+    by test_a_resharded_checkpoint_holds_the_saved_state."""
     parent = base / f"u{saved}"
     out = tmp_path / "r"
     r = run(out, nproc=now, resume=parent / "checkpoints" / "step_000002")
     assert f"checkpoint was written by {saved} ranks, this run has {now}" in r.stderr
     assert not (out / ".reshard").exists()
     assert _rollouts(out, 3) == _rollouts(parent, 3)
-    a, b = metrics(parent), metrics(out)
-    for step in [3, 4]:
-        for k in ["reward/mean", "grad_norm", "approx_kl", "clip_frac", "entropy", "lr"]:
-            assert b[step][k] == pytest.approx(a[step][k], rel=1e-4, abs=1e-6), (step, k)
-    from safetensors.torch import load_file
-
-    ref = load_file(parent / "checkpoints" / "step_000004" / "hf" / "model.safetensors")
-    got = load_file(out / "checkpoints" / "step_000004" / "hf" / "model.safetensors")
-    lr = a[3]["lr"]
-    assert ref.keys() == got.keys()
-    assert max(float((ref[k] - got[k]).abs().max()) for k in ref) < 0.05 * lr
+    assert sorted(metrics(out)) == [3, 4]
     assert json.loads((out / "checkpoints" / "step_000004" / "trainer.json").read_text())["world_size"] == now
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("dtype, saved, now", [("float32", 2, 1), ("float32", 1, 2), ("bfloat16", 2, 1),
+                                               ("bfloat16", 1, 2)])
+def test_a_resharded_checkpoint_holds_the_saved_state(torchrun, tmp_path, dtype, saved, now):
+    """Saved by `saved` ranks after two optimizer steps, loaded by `now`: every parameter's fp32 master weight and
+    both Adam moments equal what was saved, bit for bit, as do the learning rate, the schedule's position and
+    DeepSpeed's step counter; one more step on the same global batch then lands where the saving run's own next
+    step did, up to float summation order (lost moments or a wrong step count would move each weight by about as
+    much as the step itself, ~lr = 1e-3). fp32: stage 0 <-> ZeRO-3; bf16: stage 1 <-> ZeRO-3."""
+    import torch
+
+    root = tmp_path / "ckpt"
+    [s0, *_] = torchrun("dist_reshard_check.py", "save", str(root), dtype, nproc=saved)
+    [l0, *_] = torchrun("dist_reshard_check.py", "load", str(root), dtype, str(saved), nproc=now)
+    assert (s0["stage"], l0["stage"]) == {("float32", 2): (3, 0), ("float32", 1): (0, 3),
+                                          ("bfloat16", 2): (3, 1), ("bfloat16", 1): (1, 3)}[dtype, saved]
+    a, b = torch.load(root / "save.pt"), torch.load(root / "load.pt")
+    assert not b["reshard_left"]
+    assert (a["lr"], a["last_epoch"], a["global_steps"]) == (b["lr"], b["last_epoch"], b["global_steps"])
+    assert a["params"].keys() == b["params"].keys()
+    for name, (w, m, v) in a["params"].items():
+        w2, m2, v2 = b["params"][name]
+        assert torch.equal(w, w2) and torch.equal(m, m2) and torch.equal(v, v2), name
+        assert m.abs().max() > 0, name  # the moments are not all zero: a lost optimizer state would show
+    # bf16 gradients of near-zero entries can flip Adam's direction for a few weights (1.5e-4 of them reach lr/10
+    # in bf16), so the step is compared on average: lost moments would make the drift as large as the step.
+    drift = torch.cat([(a["next"][k] - b["next"][k]).abs().flatten() for k in a["next"]]).mean()
+    update = torch.cat([(a["next"][k] - a["params"][k][0]).abs().flatten() for k in a["next"]]).mean()
+    assert drift < 0.01 * update, (float(drift), float(update))

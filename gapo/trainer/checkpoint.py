@@ -401,25 +401,17 @@ def reshard(actor, ckpt: Path, saved_world: int, scratch: Path) -> None:
                 from argparse import Namespace
 
                 from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+                # inject_missing_state: stages 1-2 need a version tag that only Megatron-DeepSpeed writes
                 ds_to_universal(Namespace(input_folder=str(ckpt / "ds" / "state"), output_folder=str(tmp),
                                           num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False,
-                                          strict=True, inject_missing_state=False))
+                                          strict=True, inject_missing_state=True))
         except Exception as err:  # DeepSpeed's converter asserts on what it cannot read; named, then stopped
             shutil.rmtree(tmp, ignore_errors=True)
             raise ConfigError(f"checkpoint {ckpt}: written by {saved_world} ranks (ZeRO stage {saved_stage}), it "
                               f"could not be converted for {dist.get_world_size()} ranks "
                               f"({type(err).__name__}: {err}); resume it with --nproc {saved_world}") from None
-        if actor.zero_stage in (1, 2):  # stage 3 writes flat tensors; the stage-1/2 reader wants {"param": shaped}
-            for name, param in actor.engine.module.named_parameters():
-                for f in (tmp / "zero" / name).glob("*.pt"):
-                    value = torch.load(f, map_location="cpu", weights_only=False)
-                    if not isinstance(value, dict):
-                        torch.save({"param": value.reshape(param.shape)}, f)
-        # The model-states file is looked up as zero_pp_rank_0_mp_rank_00 at stage 3, mp_rank_00 below it.
-        states = sorted(tmp.glob("*model_states.pt"))[0]
-        for name in ["zero_pp_rank_0_mp_rank_00_model_states.pt", "mp_rank_00_model_states.pt"]:
-            if not (tmp / name).exists():
-                shutil.copyfile(states, tmp / name)
+        _universal_for(tmp, actor.zero_stage, dict(actor.engine.module.named_parameters()))
         os.replace(tmp, universal)
 
     _agreed(convert, rank)
@@ -433,6 +425,32 @@ def reshard(actor, ckpt: Path, saved_world: int, scratch: Path) -> None:
     dist.barrier()
     if rank == 0:
         shutil.rmtree(scratch)
+
+
+def _universal_for(folder: Path, stage: int, params: dict[str, Tensor]) -> None:
+    """DeepSpeed 0.19.8's converter writes what its reader for the *same* family of stages reads: stage 3 flat
+    tensors with the Adam step in zero/optimizer_state.pt, stages 1-2 {"param": shaped tensor} files with the
+    step in each parameter's folder (and optimizer_state.pt without it). Both forms are completed here, so that
+    any stage reads what any stage wrote; the model-states file goes under both of the names the readers use."""
+    zero = folder / "zero"
+    opt = torch.load(zero / "optimizer_state.pt", weights_only=False)
+    if "optimizer_state_dict" not in opt:  # written from stages 1-2: the step is in every parameter's folder
+        step = torch.load(zero / next(iter(params)) / "step.pt", weights_only=False)
+        opt["optimizer_state_dict"] = {"state": {0: {"step": step}}, "param_groups": opt["param_groups"]}
+        torch.save(opt, zero / "optimizer_state.pt")
+    step = opt["optimizer_state_dict"]["state"][0]["step"]
+    if stage in (1, 2):
+        for name, param in params.items():
+            for f in (zero / name).glob("*.pt"):
+                value = torch.load(f, map_location="cpu", weights_only=False)
+                if f.stem != "step" and not isinstance(value, dict):
+                    torch.save({"param": value.reshape(param.shape)}, f)
+            if not (zero / name / "step.pt").exists():
+                torch.save(step, zero / name / "step.pt")
+    states = sorted(folder.glob("*model_states.pt"))[0]
+    for name in ["zero_pp_rank_0_mp_rank_00_model_states.pt", "mp_rank_00_model_states.pt"]:
+        if not (folder / name).exists():
+            shutil.copyfile(states, folder / name)
 
 
 def _stage0_to_universal(src: Path, out: Path, names: list[str]) -> None:
