@@ -188,8 +188,9 @@ def test_cpu_checkpoint_has_no_cuda_state_and_loads_on_gpu(fake_cuda, monkeypatc
         torch.save(checkpoint.rng_state(), tmp_path / "rng_rank0.pt")
     expected = torch.rand(3)
     monkeypatch.setattr(checkpoint.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(checkpoint.dist, "get_world_size", lambda: 1)
     actor = types.SimpleNamespace(engine=types.SimpleNamespace(load_checkpoint=lambda *a, **k: ("ok", {})))
-    checkpoint.load(actor, tmp_path)
+    checkpoint.load(actor, tmp_path, 1, tmp_path)  # written by 1 rank, loaded by 1
     assert torch.equal(torch.rand(3), expected)
     assert restored == []
 

@@ -77,7 +77,9 @@ def run(cpu_smoke: bool, new_tokens: int, prompts: int, out: Path) -> dict:
     (out / "rl_steps.yaml").write_text(dump_config(cfg))
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    if train_main(["--config", str(out / "rl_steps.yaml")]):  # in this process: its peak memory is read below
+    # In this process (its peak memory is read below), --verbose: without it gapo-train points this process's
+    # stdout and stderr at the run's train.log for good, and the check's table would go there too.
+    if train_main(["--config", str(out / "rl_steps.yaml"), "--verbose"]):
         raise RuntimeError("gapo-train failed")
     rows = [json.loads(x) for x in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     rows = [x for x in rows if "reward/mean" in x]
