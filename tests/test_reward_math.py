@@ -103,6 +103,28 @@ def test_from_record_multiple_answers_are_one_set() -> None:
     assert single == MathGold(("\\frac{41}{12}",), "km")
 
 
+@pytest.mark.parametrize(("response", "multiple", "expected"), [
+    ("The integers are \\boxed{-2} and \\boxed{1}.", True, "-2, 1"),
+    ("So $x=\\boxed{3}$, $\\boxed{5}$ or $\\boxed{7}$", True, "3, 5, 7"),
+    ("First \\boxed{4} is the sum. The answers are \\boxed{1} and \\boxed{2}.", True, "1, 2"),  # earlier sentence
+    ("We get \\boxed{4}\nso the roots are \\boxed{1}, \\boxed{2}", True, "1, 2"),  # a line break ends it too
+    ("The integers are \\boxed{-2} and \\boxed{1}.", False, "1"),  # one answer: the last box only
+    ("The values are \\boxed{2.5} and \\boxed{3}.", True, "2.5, 3"),  # a decimal point is not a full stop
+])
+def test_a_multiple_answer_problem_reads_every_box_of_the_final_sentence(response, multiple, expected) -> None:
+    assert extract_answer(response, multiple) == expected
+
+
+def test_one_box_per_value_scores_a_multiple_answer_record_correct(verifier) -> None:
+    """OlympiadBench stores a multiple answer as one comma-separated string; a response with a box per value,
+    in any order, matches it, a response with one of the values does not."""
+    gold = MathGold.from_record({"answer": ["$1$,$-2$"], "is_multiple_answer": True, "unit": None})
+    assert gold.multiple
+    results = verifier.score_groups([["The integers are \\boxed{-2} and \\boxed{1}.", "\\boxed{-2, 1}",
+                                      "The integer is \\boxed{1}."]], [gold])[0]
+    assert [r.status for r in results] == ["correct", "correct", "wrong"]
+
+
 @pytest.mark.parametrize(
     ("gold", "error", "message"),
     [

@@ -13,7 +13,11 @@ Answer extraction (done in the parent, plain string scanning):
   1. The content of the LAST `\\boxed{...}`, `\\fbox{...}` or `\\framebox{...}` in the response, with
      nested braces balanced (escaped `\\{`/`\\}` do not count); also `\\boxed 5` without braces.
      A last box that is never closed (a truncated response) counts as no box; earlier boxes are
-     intermediate results and are not used.
+     intermediate results and are not used, except for a multiple-answer problem (OlympiadBench's
+     `is_multiple_answer`), where the boxes of the final sentence together are the answer: "The integers
+     are \\boxed{-2} and \\boxed{1}." reads as the set {-2, 1}, as "\\boxed{-2, 1}" does. Models write
+     both; reading only the last box would score a complete answer wrong. The sentence ends at a full
+     stop or a line break, so a boxed intermediate result in an earlier sentence is still not read.
   2. Fallback when there is no box: the text after the LAST "answer is" / "answer:" phrase (any case,
      e.g. "The final answer is $3$.", "**Answer:** 42"), up to the end of its math delimiters or of the
      sentence. There is deliberately no "last number in the text" fallback: it rewards responses that
@@ -85,22 +89,35 @@ _MATH_DELIMS = (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]"))
 _SENTENCE_END_RE = re.compile(r"\.(?:\s|$)")
 
 
-def extract_answer(response: str) -> str | None:
-    """The final answer of a response by the rules in the module docstring, or None."""
-    boxed = _last_boxed(response)
+def extract_answer(response: str, multiple: bool = False) -> str | None:
+    """The final answer of a response by the rules in the module docstring, or None. `multiple` (a problem
+    whose answer is several values): every box of the final sentence, joined as one set."""
+    boxed = _last_boxed(response, multiple)
     if boxed is not None:
         return boxed
     return _answer_phrase(response)
 
 
-def _last_boxed(text: str) -> str | None:
+def _last_boxed(text: str, multiple: bool = False) -> str | None:
     matches = list(_BOX_RE.finditer(text))
     if not matches:
         return None
     content = _box_argument(text, matches[-1].end())
     if content is None or not content.strip():
         return None
-    return content.strip()
+    parts = [content.strip()]
+    if multiple:
+        # Earlier boxes join while only words separate them from the next ("are \boxed{-2} and \boxed{1}."):
+        # a full stop or a line break ends the final sentence, and the boxes before it are intermediate results.
+        for prev, nxt in zip(reversed(matches[:-1]), reversed(matches[1:]), strict=True):
+            earlier = _box_argument(text, prev.end())
+            if earlier is None or not earlier.strip():
+                break
+            between = text[prev.end() : nxt.start()].replace(earlier, "", 1)  # the words after the earlier box
+            if "\n" in between or _SENTENCE_END_RE.search(between):
+                break
+            parts.insert(0, earlier.strip())
+    return ", ".join(parts)
 
 
 def _box_argument(text: str, i: int) -> str | None:
@@ -167,6 +184,7 @@ class MathGold:
 
     answers: tuple[str, ...]
     unit: str | None = None
+    multiple: bool = False  # several values make the answer (OlympiadBench's is_multiple_answer): see extract_answer
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> MathGold:
@@ -175,9 +193,10 @@ class MathGold:
             raise ValueError(f"math record has no 'answer' field (keys: {sorted(record)})")
         answer = record["answer"]
         unit = record.get("unit") or None
-        if record.get("is_multiple_answer") and isinstance(answer, list) and len(answer) > 1:
-            parts = [_gold_text(a, f"answer[{i}]") for i, a in enumerate(answer)]
-            return cls((", ".join(parts),), unit)
+        if record.get("is_multiple_answer"):
+            if isinstance(answer, list) and len(answer) > 1:
+                return cls((", ".join(_gold_text(a, f"answer[{i}]") for i, a in enumerate(answer)),), unit, True)
+            return MathGold(normalize_gold(answer, unit=unit).answers, unit, True)
         return normalize_gold(answer, unit=unit)
 
 
@@ -473,7 +492,8 @@ class MathVerifier(Rewarder):
         return normalize_gold(gold)
 
     def score_groups(self, groups: list[Sequence[str]], golds: list[MathGold]) -> list[list[RewardResult]]:
-        answers = [[extract_answer(r) for r in responses] for responses in groups]
+        answers = [[extract_answer(r, gold.multiple) for r in responses] for responses, gold in zip(groups, golds,
+                                                                                                  strict=True)]
         jobs: list[_Job] = []
         for gold, group in zip(golds, answers, strict=True):
             jobs.extend(_Job(a, gold.answers, gold.unit) for a in group if a is not None)
