@@ -189,17 +189,20 @@ def test_intervention_changes_the_loss_and_records_its_parent(base):
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("damage, needle", [
-    ("trainer.json", "cannot read trainer.json"),
-    ("ds", "ds/state is missing"),
+    ("trainer.json", "trainer.json is truncated or padded"),
+    ("ds", "ds/state/mp_rank_00_model_states.pt is missing"),
     ("rng_rank0.pt", "rng_rank0.pt is missing"),
     ("latest", "names step_000009, which is missing"),
+    ("trainer.json, no manifest", "cannot read trainer.json"),  # a checkpoint written before manifests
 ])
 def test_damaged_checkpoints_give_a_clear_error(base, tmp_path, damage, needle):
     run_dir = tmp_path / "d"
     shutil.copytree(base / "u1", run_dir)
     ck = run_dir / "checkpoints" / "step_000004"
-    if damage == "trainer.json":
+    if damage.startswith("trainer.json"):
         (ck / "trainer.json").write_text('{"step": 4, "sampl')
+        if damage.endswith("no manifest"):
+            (ck / "manifest.json").unlink()
     elif damage == "latest":
         (run_dir / "checkpoints" / "latest").write_text("step_000009")
     elif damage == "ds":
