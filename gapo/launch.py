@@ -39,7 +39,9 @@ def _forward(signum, frame) -> None:  # noqa: ARG001 - signal's signature
 
 
 def main() -> int:
-    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGINT,SIGHUP,SIGQUIT"  # SIGTERM stays ours
+    # SIGTERM stays ours. torchrun writes its --signals-to-handle (default: SIGTERM too) over the environment
+    # variable TORCHELASTIC_SIGNALS_TO_HANDLE, so the flag it is.
+    sys.argv[1:1] = ["--signals-to-handle", "SIGINT,SIGHUP,SIGQUIT"]
     for sig in SIGNALS:
         signal.signal(sig, _forward)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
