@@ -77,6 +77,7 @@ def train_main(argv: list[str] | None = None) -> int:
         console.capture(show_warnings=rank0)  # before the libraries load: what they print goes to train.log
     from gapo.trainer.checkpoint import CheckpointError
     from gapo.trainer.loop import RewardsFailed, TrainingDiverged, train
+    from gapo.trainer import preempt
     from gapo.trainer.preempt import PREEMPTED, Preempted
 
     try:
@@ -88,6 +89,10 @@ def train_main(argv: list[str] | None = None) -> int:
         console.error(f"gapo-train: {err}{console.failed_start()}")
         return 3
     except Preempted as err:
+        # Every rank has saved (the save ends in a barrier). The first rank to exit makes torchrun SIGTERM the
+        # others, and Python drops its handlers while it shuts down: ignore the signal so each exits PREEMPTED.
+        for sig in preempt.SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
         if rank0:
             console.say(f"gapo-train: {err}")
         return PREEMPTED

@@ -3,7 +3,8 @@
 torchrun handles SIGTERM by signalling its workers and killing them 30 seconds later, and dies of SIGUSR1, whose
 default action is to terminate: either would cut a rank's final checkpoint short. Here both signals are forwarded
 to the workers (each rank finishes its step, saves and exits with gapo.trainer.preempt.PREEMPTED, see there) and
-torchrun waits for them; when every failed rank exited with PREEMPTED, so does this launcher, so that a requeue
+torchrun waits for them; when a rank exited with PREEMPTED (and any other was stopped by torchrun on its way
+out), so does this launcher, so that a requeue
 script sees one code. Everything else is torchrun's own (`python -m torch.distributed.run`).
 """
 
@@ -50,7 +51,10 @@ def main() -> int:
     try:
         torchrun()
     except ChildFailedError as err:
-        if {f.exitcode for f in err.failures.values()} == {PREEMPTED}:
+        codes = {f.exitcode for f in err.failures.values()}
+        # A rank exits PREEMPTED only after the collective save's final barrier, so the checkpoint is whole even
+        # when torchrun stopped a slower rank (SIGTERM, then SIGKILL after 30 s) on its way out.
+        if PREEMPTED in codes and codes <= {PREEMPTED, -signal.SIGTERM, -signal.SIGKILL}:
             return PREEMPTED
         for rank, f in sorted(err.failures.items()):
             how = f"killed by {signal.Signals(-f.exitcode).name}" if f.exitcode < 0 else f"exit code {f.exitcode}"
