@@ -229,10 +229,10 @@ def check_shared_filesystem(run_dir: Path) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         _write_atomic(run_dir / probe, "written by rank 0; every rank must see it\n")
     dist.barrier()
-    seen = gather((run_dir / probe).is_file())
-    dist.barrier()
+    seen = gather((run_dir / probe).is_file())  # collective: every rank has looked once it returns
     if rank == 0:
         (run_dir / probe).unlink(missing_ok=True)
+    dist.barrier()  # and the probe is gone on every rank's return, whatever it lists next
     blind = [r for r, ok in enumerate(seen) if not ok]
     if blind:
         raise ConfigError(f"trainer.output_dir={run_dir}: rank(s) {', '.join(map(str, blind))} cannot see a file "
