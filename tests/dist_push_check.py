@@ -30,9 +30,11 @@ def main(out_path: str) -> None:
     rank, world = init_distributed()
     cfg = resolve({"model": {"path": "tiny-qwen2"}, "trainer": {"zero_stage": 3, "lr": 3e-3, "micro_batch_size": 4,
                                                               "ppo_mini_batch_size": 8},
-                   "rollout": {"prompts_per_step": 2, "group_size": 8}})
+                   # whole sequences are scored as responses here: the run's logit-chunk count must hold them
+                   "rollout": {"prompts_per_step": 2, "group_size": 8, "max_new_tokens": 400}})
     model_dir = str(resolve_model("tiny-qwen2"))
     engine = VLLMEngine(model_dir, dtype="float32", seed=rank, max_model_len=1024, kv_cache_gb=0.25)
+    logprobs_mod.LOGIT_CHUNK = 7  # chunks that split sequences (before the Actor fixes its chunk count)
     actor = Actor(cfg, model_dir)
     tok = engine.tokenizer
     # Prompts longer than one 128-token KV block, so a stale prefix cache would show.
@@ -44,7 +46,6 @@ def main(out_path: str) -> None:
 
     before = engine_logprobs(engine, seqs)  # cache the prefixes with the initial weights
     # One real update (different data per rank, so gradients are all-reduced for real).
-    logprobs_mod.LOGIT_CHUNK = 7  # chunks that split sequences
     logp, _ = actor.engine(mb, 1.0)
     actor.backward(-(logp * mb.resp_mask).sum() / mb.resp_mask.sum())
     with torch.no_grad():
