@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gapo import arithmetic
 from gapo.errors import ConfigError
@@ -114,6 +114,11 @@ class RolloutCorrection(_Section):
     mask_low: float = Field(0.5, ge=0.0, description="mask: the smallest ratio kept.")
     mask_high: float = Field(2.0, gt=0.0, description="mask: the largest ratio kept.")
     kl_max: float = Field(1e-3, gt=0.0, description="reject: the largest k3 estimate (r - 1 - log r) kept.")
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _off(cls, v: Any) -> Any:
+        return "off" if v is False else v  # YAML 1.1 reads a bare `off` (file or command line) as false
 
     @model_validator(mode="after")
     def _band(self) -> RolloutCorrection:

@@ -4,7 +4,8 @@ torchrun handles SIGTERM by signalling its workers and killing them 30 seconds l
 default action is to terminate: either would cut a rank's final checkpoint short. Here both signals are forwarded
 to the workers (each rank finishes its step, saves and exits with gapo.trainer.preempt.PREEMPTED, see there) and
 torchrun waits for them; when a rank exited with PREEMPTED (and any other did too, or was stopped by torchrun on
-its way out), so does this launcher, so that a requeue script sees one code. Everything else is torchrun's own (`python -m torch.distributed.run`).
+its way out), so does this launcher, so that a requeue script sees one code. Everything else is torchrun's own
+(`python -m torch.distributed.run`).
 """
 
 from __future__ import annotations

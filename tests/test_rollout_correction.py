@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from gapo.config import AlgorithmConfig, ConfigError, RolloutCorrection, load_config
+from gapo.config import AlgorithmConfig, ConfigError, RolloutCorrection, find_config_file, load_config
 from gapo.trainer.logprobs import MicroBatch
 from gapo.trainer.losses import (
     MAX_LOG_RATIO,
@@ -157,3 +157,13 @@ def test_off_in_the_paper_configs_and_refused_without_a_trainer_pass():
         load_config("demo_cpu", ["algorithm.rollout_correction.mode=truncate"])
     with pytest.raises(ConfigError, match="mask_low=2.0 must be below mask_high=2.0"):
         load_config("tiny_cpu", ["algorithm.rollout_correction.mask_low=2.0"])
+
+
+def test_off_written_bare_is_the_mode_not_a_boolean(tmp_path):
+    """YAML 1.1 reads a bare `off` as false, on the command line and in a file alike."""
+    assert load_config("tiny_cpu", ["algorithm.rollout_correction.mode=off"]).algorithm.rollout_correction.mode == "off"
+    f = tmp_path / "c.yaml"
+    f.write_text(f"base: {find_config_file('tiny_cpu')}\nalgorithm:\n  rollout_correction:\n    mode: off\n")
+    assert load_config(f).algorithm.rollout_correction.mode == "off"
+    with pytest.raises(ConfigError, match="algorithm.rollout_correction.mode"):
+        load_config("tiny_cpu", ["algorithm.rollout_correction.mode=on"])
