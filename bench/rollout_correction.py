@@ -112,8 +112,8 @@ def report(name: str, old, roll, mask, c) -> None:
         cap = rc.cap if mode == "truncate" else float("inf")
         s = mismatch_metrics(mismatch_stats(old, roll, mask, c, w, keep, cap), True)
         print(f"  {mode + '/' + level:<20}{s['rollout_is/masked_token_frac']:>11.4f}"
-              f"{s['rollout_is/masked_seq_frac']:>11.4f}{s['rollout_is/truncated_token_frac']:>11.4f}{s['rollout_is/weight_mean']:>9.4f}"
-              f"{s['rollout_is/weight_max']:>9.3f}")
+              f"{s['rollout_is/masked_seq_frac']:>11.4f}{s['rollout_is/truncated_token_frac']:>11.4f}"
+              f"{s['rollout_is/weight_mean']:>9.4f}{s['rollout_is/weight_max']:>9.3f}")
 
 
 def main() -> None:

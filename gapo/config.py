@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from gapo import arithmetic
 from gapo.errors import ConfigError
@@ -114,11 +114,6 @@ class RolloutCorrection(_Section):
     mask_low: float = Field(0.5, ge=0.0, description="mask: the smallest ratio kept.")
     mask_high: float = Field(2.0, gt=0.0, description="mask: the largest ratio kept.")
     kl_max: float = Field(1e-3, gt=0.0, description="reject: the largest k3 estimate (r - 1 - log r) kept.")
-
-    @field_validator("mode", mode="before")
-    @classmethod
-    def _off(cls, v: Any) -> Any:
-        return "off" if v is False else v  # YAML 1.1 reads a bare `off` (file or command line) as false
 
     @model_validator(mode="after")
     def _band(self) -> RolloutCorrection:
@@ -505,13 +500,30 @@ class BatchShape:
 _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1, but only true/false are booleans (as in YAML 1.2): a bare `off`, `on`, `yes` or `no` stays the
+    word, so `mode: off` names the mode; a bool field still reads those words (pydantic's lax booleans)."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                              list("tTfF"))
+
+
+def read_yaml(text: str) -> Any:
+    """Configs, overrides and manifests are read with this one loader."""
+    return yaml.load(text, Loader=_Loader)  # a SafeLoader: no arbitrary objects
+
+
 def _parse_override(item: str) -> tuple[list[str], Any]:
     if "=" not in item:
         raise ConfigError(f"override {item!r}: expected key.path=value, e.g. trainer.lr=2e-6")
     key, raw = item.split("=", 1)
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override {item!r}: empty key path")
-    value = yaml.safe_load(raw) if raw != "" else ""
+    value = read_yaml(raw) if raw != "" else ""
     if isinstance(value, str) and _FLOAT.fullmatch(value):  # YAML 1.1 reads 2e-6 (no dot) as a string
         value = float(value)
     return key.split("."), value
@@ -670,7 +682,7 @@ def read_config_file(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:
     if file in _seen:
         raise ConfigError(f"{file}: `base` chain loops back to itself")
     try:
-        raw = yaml.safe_load(file.read_text()) or {}
+        raw = read_yaml(file.read_text()) or {}
     except yaml.YAMLError as err:
         raise ConfigError(f"{file}: not valid YAML: {err}") from None
     if not isinstance(raw, dict):

@@ -30,7 +30,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from gapo import rundir
-from gapo.config import Config, ConfigError, load_config
+from gapo.config import Config, ConfigError, load_config, read_yaml
 
 EXPERIMENTS_DIR = Path(__file__).resolve().parents[2] / "experiments"
 
@@ -129,7 +129,7 @@ def load_manifest(path: str | Path) -> Manifest:
             raise ConfigError(f"manifest {str(path)!r} not found (nor among the shipped ones in {EXPERIMENTS_DIR})")
         p = shipped
     try:
-        raw = yaml.safe_load(p.read_text())
+        raw = read_yaml(p.read_text())
         return Manifest.model_validate(raw)
     except yaml.YAMLError as err:
         raise ConfigError(f"{p}: not valid YAML: {err}") from None
