@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -43,9 +44,12 @@ def train_main(argv: list[str] | None = None) -> int:
     if args.print_config:
         from gapo.memory import plan_text
 
+        # The plan may build a built-in model first, and the libraries that loads print to stdout (DeepSpeed's
+        # "Setting accelerator to CPU" on a fresh machine): stdout carries only the config, or it would not parse.
+        with contextlib.redirect_stdout(sys.stderr):
+            text, _ = plan_text(cfg, args.nproc, None)
         sys.stdout.write(dump_config(cfg, comments=True))
         # As YAML comments, so the output stays a config file.
-        text, _ = plan_text(cfg, args.nproc, None)
         sys.stdout.write("".join(f"# {line}\n" for line in text.splitlines()))
         return 0
     if args.rehearse:

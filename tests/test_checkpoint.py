@@ -374,24 +374,32 @@ def _pids_of(run_dir: Path) -> dict[int, int]:
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_sigterm_saves_exits_75_and_the_resumed_run_is_the_uninterrupted_one(base, tmp_path, nproc):
     """SIGTERM (SLURM's preemption) to the whole process tree at a random moment of step 2 or 3: every rank
-    finishes its step (or abandons it), saves, and the run exits 75; `--resume auto` then logs exactly the
-    uninterrupted run's metrics."""
+    finishes its step (or abandons it), saves, and the run exits 75; `--resume auto` with the same command line
+    then logs exactly the uninterrupted run's metrics.
+
+    The run is 8 steps long (the schedule is constant, so its first 4 are the 4-step reference's) and the signal
+    comes at most 0.5 s after step 1 is logged: it lands well before the last step on any machine. (A signal
+    during the last step is no preemption: that step ends the run, saved, with exit 0.)"""
     import random
 
     out = tmp_path / "p"
-    proc = subprocess.Popen(cmd(out, nproc=nproc), cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+    longer = "trainer.total_steps=8"
+    proc = subprocess.Popen(cmd(out, longer, nproc=nproc), cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     _wait_for_step(out, 1, proc)
-    time.sleep(random.uniform(0.0, 2.0))
+    time.sleep(random.uniform(0.0, 0.5))
     os.killpg(proc.pid, signal.SIGTERM)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 75, err[-3000:]
     assert "preempted" in err and "`--resume auto` goes on from there" in err
-    saved = sorted(p.name for p in (out / "checkpoints").glob("step_*"))
+    saved = sorted(int(p.name.removeprefix("step_")) for p in (out / "checkpoints").glob("step_*"))
     assert saved and not list((out / "checkpoints").glob(".tmp-*"))
-    r = run(out, "--resume", "auto", nproc=nproc)
+    assert max(saved) <= 3, f"the signal came after step 1 yet the run saved step {max(saved)}"
+    r = run(out, longer, "--resume", "auto", nproc=nproc)
     assert "resume     auto: from " in r.stderr
-    assert_same_steps(metrics(base / f"u{nproc}"), metrics(out), [1, 2, 3, 4])
+    resumed = metrics(out)
+    assert sorted(resumed) == list(range(1, 9))
+    assert_same_steps(metrics(base / f"u{nproc}"), resumed, [1, 2, 3, 4])
 
 
 @pytest.mark.e2e
