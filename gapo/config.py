@@ -100,7 +100,8 @@ class RolloutCorrection(_Section):
     to +-20 before exp) weights or masks each token's loss, detached. The PPO ratio pi_theta / pi_old and every
     clip rule (GAPO's adaptive bound, GSPO's sequence ratio, token PPO, CISPO's weight) act exactly as without
     it: the weight multiplies the clipped surrogate's per-token term. Masked tokens leave the loss and the
-    step's normaliser (they count as not sampled), so masking does not scale the others' gradient down."""
+    step's normaliser (they count as not sampled), so masking does not scale the others' gradient down; GSPO's
+    sequence ratio, a mean over the tokens in the loss, is then taken over the kept tokens."""
 
     mode: Literal["off", "truncate", "mask", "reject"] = Field(
         "off", description="truncate: weight min(r, cap) (TIS); mask: tokens (sequences) whose ratio is outside "

@@ -309,6 +309,29 @@ def test_bad_records_are_dropped_and_a_failing_rewarder_costs_only_its_group(tmp
 
 
 @pytest.mark.e2e
+def test_a_masking_correction_in_bf16_changes_only_the_loss(tmp_path):
+    """bf16 trainer and bf16 vLLM, token-level masking with a band tight enough to mask some tokens: the
+    correction's metrics are in metrics.jsonl, the old-log-prob pass and the first update still agree exactly
+    (both project the same tokens; only the loss leaves the masked ones out), and step 1, whose rollouts and
+    old log-probs precede any update, reads the same entropy and mismatch as the uncorrected run."""
+    runs = {}
+    for mode in ("off", "mask"):
+        out = tmp_path / mode
+        r = gapo_train(out, "model.dtype=bfloat16", f"algorithm.rollout_correction.mode={mode}",
+                       "algorithm.rollout_correction.mask_low=0.995", "algorithm.rollout_correction.mask_high=1.005")
+        assert r.returncode == 0, r.stderr[-4000:]
+        runs[mode] = metrics(out)
+    off, masked = runs["off"], runs["mask"]
+    assert "rollout_is/masked_token_frac" not in off[0]
+    for row in masked:
+        assert 0 < row["rollout_is/masked_token_frac"] < 1, row["rollout_is/masked_token_frac"]
+        assert row["first_minibatch/max_abs_log_ratio"] == 0.0
+        assert row["logprob_mismatch/kl_k3"] > 0  # bf16 on both sides still disagrees
+    for key in ("entropy", "logprob_mismatch/kl_k1", "logprob_mismatch/kl_k3", "reward/mean", "response/len_mean"):
+        assert masked[0][key] == off[0][key], key
+
+
+@pytest.mark.e2e
 def test_a_neutral_correction_trains_exactly_as_none(runs, tmp_path):
     """The rollout-correction code path with weights of exactly 1 and nothing masked (reject, kl_max huge) gives
     the metrics of the run without it, to the bit: weights, masking and the normaliser change nothing they should

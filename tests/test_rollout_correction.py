@@ -98,7 +98,9 @@ def test_the_weight_multiplies_the_surrogate_of_every_clip_rule(name):
     algo: AlgorithmConfig = resolve({"algorithm": {"name": name}}).algorithm
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
     w = torch.tensor([[0.5, 1.5, 2.0], [1.0, 0.25, 0.0]])
-    logp = torch.tensor([[0.01, -0.02, 0.003], [0.0, 0.004, 0.0]])  # ratios near 1: inside and outside bounds
+    # Row 0 (A > 0) moved up: its token 0 passes CISPO's cap of 5, tokens 0 and 2 a bound of 1.2, and its sequence ratio
+    # (~2) every sequence bound; row 1 (A < 0) stays inside every bound.
+    logp = torch.tensor([[1.8, 0.0, 0.25], [0.001, -0.002, 0.0]])
     grads = []
     for weight in (None, w):
         lp = logp.clone().requires_grad_(True)
@@ -108,20 +110,23 @@ def test_the_weight_multiplies_the_surrogate_of_every_clip_rule(name):
         loss.backward()
         grads.append((lp.grad.clone(), stats.clip_hi_tokens.clone(), stats.clip_lo_tokens.clone()))
     (g0, hi0, lo0), (g1, hi1, lo1) = grads
+    assert float(hi0.sum() + lo0.sum()) > 0 and bool((g0 != 0).any())  # this rule clips here, and not everything
     torch.testing.assert_close(g1, g0 * w, atol=1e-7, rtol=1e-6)  # each token's term, scaled by its weight
     assert torch.equal(hi0, hi1) and torch.equal(lo0, lo1)  # the clip decisions do not move
 
 
 def test_masked_tokens_leave_the_normaliser():
-    """As the loop applies it: masked tokens leave resp_mask before the step's token count is taken, so the kept
-    tokens' loss is their mean over kept tokens (not over all, which would shrink it as masking grows)."""
+    """As the loop applies it: masked tokens leave the loss mask before the step's token count is taken, so the
+    kept tokens' loss is their mean over kept tokens (not over all, which would shrink it as masking grows); the
+    forward's mask (resp_mask) keeps them, so both passes project the same tokens."""
     from gapo.config import resolve
 
     algo = resolve({"algorithm": {"name": "grpo"}}).algorithm
     mb = _mb(MASK, [1.0, 1.0])
     w, keep = rollout_weights(OLD, ROLL, MASK, rc(mode="mask", level="token", mask_low=0.85, mask_high=2.0))
-    mb.rollout_w, mb.resp_mask = w, mb.resp_mask * keep
-    norm = StepNorm(tokens=float(mb.resp_mask.sum()), seqs=2.0)
+    mb.rollout_w, mb.loss_mask = w, mb.resp_mask * keep
+    assert torch.equal(mb.resp_mask, MASK)
+    norm = StepNorm(tokens=float(mb.in_loss.sum()), seqs=2.0)
     assert norm.tokens == 3.0  # 5 response tokens, 2 masked
     logp = torch.zeros(2, 3, requires_grad=True)  # ratio 1: the surrogate is -A * rho per token
     loss, _ = policy_loss(logp, mb, norm, algo)

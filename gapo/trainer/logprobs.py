@@ -61,6 +61,15 @@ class MicroBatch:
     old_logp: Tensor | None = None  # [B, T] log pi_old: set by the old-log-prob pass (or the engine's)
     ref_logp: Tensor | None = None  # [B, T] the reference policy's: set when there is a KL penalty
     rollout_w: Tensor | None = None  # [B, T] sampler-trainer correction weights (algorithm.rollout_correction)
+    # [B, T] resp_mask less the tokens the rollout correction masks; None: resp_mask. Apart from resp_mask because
+    # the forwards must see the same tokens in the old-log-prob pass and the update (same logit chunks, so the
+    # first mini-batch's ratio stays exactly 1); only the loss and its normaliser leave them out.
+    loss_mask: Tensor | None = None
+
+    @property
+    def in_loss(self) -> Tensor:
+        """[B, T] the tokens the loss, its normaliser and its clip statistics count."""
+        return self.resp_mask if self.loss_mask is None else self.loss_mask
 
     @classmethod
     def pack(cls, prompts: list[list[int]], responses: list[list[int]], pad_id: int, *,

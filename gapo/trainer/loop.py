@@ -357,8 +357,9 @@ class OldLogprobs:
 def old_logprobs(actor: Actor, mbs: list[MicroBatch], cfg: Config) -> OldLogprobs:
     """Fills each micro-batch's old_logp (and ref_logp with a KL penalty) without gradient: the trainer's
     recomputation, or the engine's own log-probs with rollout.use_engine_logprobs. With a rollout correction,
-    also its weights (rollout_w), and the tokens it masks leave resp_mask: the step's normaliser is counted
-    after this, so they leave it too."""
+    also its weights (rollout_w), and the tokens it masks leave the loss (loss_mask): the step's normaliser is
+    counted after this, so they leave it too. Entropy and the KL to the reference stay over every response token:
+    they describe the policy, not the loss."""
     r, a = cfg.rollout, cfg.algorithm
     rc = a.rollout_correction
     out = OldLogprobs(0.0, 0.0, [], [])
@@ -380,7 +381,7 @@ def old_logprobs(actor: Actor, mbs: list[MicroBatch], cfg: Config) -> OldLogprob
                 out.per_rollout.append(mismatch_stats(mb.old_logp, mb.engine_logp, mb.resp_mask, mb.c, w, keep,
                                                       rc.cap if rc.mode == "truncate" else math.inf))
                 if keep is not None:
-                    mb.resp_mask = mb.resp_mask * keep
+                    mb.loss_mask = mb.resp_mask * keep
             if a.kl_coef > 0:
                 mb.ref_logp = actor.ref_engine(mb, r.temperature)[0]
                 out.kl_ref_sum += float(kl_penalty(mb.old_logp, mb.ref_logp, mb.resp_mask, StepNorm(1.0, 1.0)))
@@ -410,8 +411,8 @@ def update(actor: Actor, minis: list[list[MicroBatch]], cfg: Config, step: int, 
     for epoch in range(t.ppo_epochs):
         for mini in minis:
             on_policy = epoch == 0 and mini is minis[0]  # still the weights that sampled: the IS ratio must be 1
-            tokens = torch.tensor([sum(float(mb.resp_mask.sum()) for mb in mini),
-                                   sum(float(mb.resp_mask.any(-1).sum()) for mb in mini)], device=actor.device)
+            tokens = torch.tensor([sum(float(mb.in_loss.sum()) for mb in mini),
+                                   sum(float(mb.in_loss.any(-1).sum()) for mb in mini)], device=actor.device)
             dist.all_reduce(tokens)  # the normaliser is the whole optimizer step's, over all ranks
             norm = StepNorm(tokens=max(float(tokens[0]), 1.0), seqs=max(float(tokens[1]), 1.0),
                             constant=a.loss_constant)

@@ -144,11 +144,11 @@ def policy_loss(logp: Tensor, batch: MicroBatch, norm: StepNorm, algo: Algorithm
                 ) -> tuple[Tensor, RolloutStats]:
     """The clipped surrogate of eq. 11 for one micro-batch (plus the optional KL penalty).
 
-    logp: [B, T] log pi_theta of the response tokens, with gradient. From the batch: resp_mask and old_logp
+    logp: [B, T] log pi_theta of the response tokens, with gradient. From the batch: in_loss (the mask) and old_logp
     [B, T], adv, c, k [B] (ref_logp [B, T] with a KL penalty). Returns this micro-batch's share of the step
     loss and its per-rollout stats.
     """
-    mask = batch.resp_mask.to(logp.dtype)
+    mask = batch.in_loss.to(logp.dtype)
     old_logp, adv = batch.old_logp, batch.adv
     eps_lo, eps_hi = algo.eps_lo, clip_high(batch.c, batch.k, algo)  # [B]
     n_tok = mask.sum(-1)  # [B]
@@ -185,7 +185,7 @@ def policy_loss(logp: Tensor, batch: MicroBatch, norm: StepNorm, algo: Algorithm
     else:
         raise ValueError(f"unknown loss aggregation {algo.loss_agg!r}")
     if algo.kl_coef > 0:
-        loss = loss + algo.kl_coef * kl_penalty(logp, batch.ref_logp, batch.resp_mask, norm)
+        loss = loss + algo.kl_coef * kl_penalty(logp, batch.ref_logp, batch.in_loss, norm)
 
     with torch.no_grad():
         # k3 estimator of KL(old || new) over tokens sampled from old: r - 1 - log r with r = pi_new / pi_old
