@@ -345,6 +345,27 @@ def test_resume_auto_goes_on_from_the_newest_valid_or_starts_fresh(tmp_path):
         resume_or_branch(_cfg(run_dir, "trainer.resume_from=auto"), world=1, rank=0)
 
 
+def test_pruning_keeps_keep_steps_and_keep_every(tmp_path):
+    """The intervention config as shipped (save every 100, keep the newest 3, 1000 steps): when step 900 is saved,
+    the branch point 600 is still there, and still after the run ends; keep_every spares its multiples."""
+    from gapo.config import load_config
+    from gapo.trainer.checkpoint import _prune
+
+    t = load_config("gspo_intervention").trainer
+    assert (t.save_every, t.keep_last, t.total_steps, t.keep_steps) == (100, 3, 1000, [600])
+    root = tmp_path / "checkpoints"
+    for step in range(t.save_every, t.total_steps + 1, t.save_every):
+        (root / f"step_{step:06d}").mkdir(parents=True)
+        _prune(root, t.keep_last, t.keep_steps, t.keep_every)
+        if step == 900:
+            assert (root / "step_000600").is_dir()
+    assert sorted(p.name for p in root.iterdir()) == ["step_000600", "step_000800", "step_000900", "step_001000"]
+    for step in (200, 300, 500):
+        (root / f"step_{step:06d}").mkdir()
+    _prune(root, 1, [], keep_every=250)  # 500 and 1000 are multiples of 250; 1000 is also the newest
+    assert sorted(p.name for p in root.iterdir()) == ["step_000500", "step_001000"]
+
+
 def test_a_disk_without_room_is_refused_before_writing(tmp_path):
     from gapo.trainer.checkpoint import _room_for
 

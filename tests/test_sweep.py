@@ -84,6 +84,53 @@ def test_readme_and_manifest_commands_never_share_an_output_directory():
             dirs[d] = (name, j.run.name)
 
 
+def test_a_branch_is_evaluated_after_its_branch_point_and_reads_its_parents_before(tmp_path):
+    """The intervention's branch starts at GSPO's step 600 and saves no step 600 of its own: its evaluation asks only
+    for its later checkpoints, and the table reads step 600 (the same weights) from the parent's evaluation."""
+    from gapo.study.sweep import eval_commands
+    from gapo.study.tables import results
+
+    m = load_manifest("fig7_intervention")
+    js = jobs(m, tmp_path)
+    steps_of = {}
+    for together in (False, True):
+        for cmd in eval_commands(m, js, together=together):
+            steps = cmd[cmd.index("--steps") + 1]
+            runs = cmd[cmd.index("--run") + 1:cmd.index("--steps")]
+            for run in runs:
+                steps_of[(together, Path(run).parts[-2])] = steps
+    for together in (False, True):
+        assert steps_of[(together, "gspo_asym")] == "600,700,800,900,1000"
+        assert steps_of[(together, "gapo_from_600")] == "700,800,900,1000"
+    for j in js:
+        for step in j.own_steps(m.eval.steps):
+            d = j.out / "eval" / m.protocol_name / f"step_{step:06d}"
+            d.mkdir(parents=True)
+            v = step / 10_000 + (0.5 if j.parent else 0.0)
+            (d / "results.json").write_text(json.dumps({"meta": {}, "metrics": {"val/mean/pass@1": v}}))
+    found = results(m, js)
+    for seed in m.seeds:
+        assert found[("gapo_from_600", seed)][600] == found[("gspo_asym", seed)][600] == {"val/mean/pass@1": 0.06}
+        assert found[("gapo_from_600", seed)][700] == {"val/mean/pass@1": 700 / 10_000 + 0.5}
+    from gapo.study.tables import write
+
+    assert "## Missing" not in write(m, tmp_path).read_text()
+
+
+def test_fig6_holds_rollouts_and_updates_per_step_fixed_across_k():
+    """Fig. 6 varies k alone: every run samples as many rollouts a step and takes as many optimizer steps on them
+    (at least two, so that something is off-policy and can clip)."""
+    m = load_manifest("fig6_group_size")
+    shapes = {}
+    for j in jobs(m):
+        cfg = load_config(j.config, j.args)
+        rollouts = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+        updates = rollouts // cfg.trainer.ppo_mini_batch_size * cfg.trainer.ppo_epochs
+        shapes[cfg.rollout.group_size] = (rollouts, updates)
+    assert sorted(shapes) == [4, 8, 16]
+    assert len(set(shapes.values())) == 1 and next(iter(shapes.values()))[1] >= 2, shapes
+
+
 def test_slurm_scripts_parse_and_branches_wait_for_their_parents(tmp_path):
     m = load_manifest("fig7_intervention")
     written = slurm(m, jobs(m), tmp_path)

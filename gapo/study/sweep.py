@@ -155,6 +155,11 @@ class Job:
     def label(self) -> str:
         return self.run.label or self.run.name
 
+    def own_steps(self, steps: list[int]) -> list[int]:
+        """Of the manifest's evaluated steps, those this run has a checkpoint of: a branch starts after its
+        branch point, and its steps up to there are its parent's (the same weights: see results_of)."""
+        return [s for s in steps if self.parent is None or s > self.run.branch.step]
+
     def command(self, nproc: int, *, rehearse: bool = False, resume: Path | None = None) -> list[str]:
         resume = resume or self.resume
         return ["gapo-train", "--config", self.config, "--nproc", str(nproc), *(["--rehearse"] if rehearse else []),
@@ -268,10 +273,14 @@ def eval_commands(m: Manifest, js: list[Job], together: bool = False) -> list[li
                 *(["--limit", str(p.limit)] if p.limit else []), "--name", p.name]
     else:
         spec = ["--protocol", p]
-    steps = ",".join(map(str, m.eval.steps))
-    groups = [js] if together else [[j] for j in js]
-    cmds = [["gapo-eval", "--run", *(str(j.out) for j in g), "--steps", steps, *spec, "--compile", m.eval.compile]
-            for g in groups]
+    by_steps: dict[tuple[int, ...], list[Job]] = {}  # runs with the same steps share a command (and an engine)
+    for j in js:
+        if j.own_steps(m.eval.steps):
+            by_steps.setdefault(tuple(j.own_steps(m.eval.steps)), []).append(j)
+    groups = [(steps, g) for steps, g in by_steps.items()] if together else \
+        [(tuple(j.own_steps(m.eval.steps)), [j]) for j in js if j.own_steps(m.eval.steps)]
+    cmds = [["gapo-eval", "--run", *(str(j.out) for j in g), "--steps", ",".join(map(str, steps)), *spec,
+             "--compile", m.eval.compile] for steps, g in groups]
     if m.base:
         model = load_config(m.config).model
         cmds.append(["gapo-eval", "--model", model.path, *spec, "--dtype", model.dtype, "--compile", m.eval.compile,

@@ -35,11 +35,13 @@ IN_DOMAIN_MEAN = "mean"  # summary()'s average over the benchmarks other than IF
 
 
 def results(m: Manifest, js: list[Job]) -> dict[tuple[str, int], dict[int, dict[str, float]]]:
-    """(run, seed) -> step -> the evaluation's metrics (val/<bench>/pass@k, val/mean/pass@k, ...)."""
+    """(run, seed) -> step -> the evaluation's metrics (val/<bench>/pass@k, val/mean/pass@k, ...). A branch's
+    steps up to its branch point are its parent's evaluations: the same checkpoint."""
     out: dict[tuple[str, int], dict[int, dict[str, float]]] = {}
     for j in js:
         for step in m.eval.steps:
-            f = j.out / rundir.EVAL / m.protocol_name / rundir.step_name(step) / "results.json"
+            owner = j if step in j.own_steps(m.eval.steps) else j.parent
+            f = owner.out / rundir.EVAL / m.protocol_name / rundir.step_name(step) / "results.json"
             if f.is_file():
                 out.setdefault((j.run.name, j.seed), {})[step] = json.loads(f.read_text())["metrics"]
     return out
@@ -124,7 +126,7 @@ def write(m: Manifest, root: str | Path | None, out: Path | None = None) -> Path
                     delta = 100 * (a.mean - c.mean)
                     cells.append(f"{delta:+.2f}{stars(p)}" + (f" (p = {p:.2g})" if math.isfinite(p) else ""))
                 lines.append(f"| {md_cell(ours)} vs {md_cell(base)} | " + " | ".join(cells) + " |")
-    missing = [(j, s) for j in js for s in m.eval.steps if s not in found.get((j.run.name, j.seed), {})]
+    missing = [(j, s) for j in js for s in j.own_steps(m.eval.steps) if s not in found.get((j.run.name, j.seed), {})]
     if m.base and not base.is_file():
         lines += ["", f"The Base row is missing: {base.parent} has no results.json (`gapo-sweep {m.name} --eval`)."]
     if missing:
