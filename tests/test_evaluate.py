@@ -46,6 +46,25 @@ def test_model_path_resolution(tmp_path):
     assert resolve_eval_model(str(hf)) == hf
 
 
+def test_a_benchmark_file_with_bad_rows_scores_the_rest_and_says_how_many(tmp_path):
+    """Rows no rewarder can score are left out with their reason before --limit applies; a file of nothing but
+    such rows is an error naming the file."""
+    from gapo.errors import ConfigError
+    from gapo.study.evaluate import load_benchmark
+
+    f = tmp_path / "sums.jsonl"
+    rows = [{"problem": "1 + 1?", "answer": ""}, {"problem": "2 + 2?", "answer": None},
+            {"problem": "   ", "answer": "3"}, {"problem": "3 + 4?", "answer": "7"},
+            {"problem": "5 + 5?", "answer": 10}]
+    f.write_text("".join(json.dumps(x) + "\n" for x in rows))
+    b = load_benchmark(f"sums={f}", limit=1)
+    assert [p.question for p in b.problems] == ["3 + 4?"]
+    assert sorted(d.reason for d in b.dropped) == ["empty answer", "empty prompt", "no answer"]
+    f.write_text("".join(json.dumps(x) + "\n" for x in rows[:2]))
+    with pytest.raises(ConfigError, match=f"{f}: no record can be scored"):
+        load_benchmark(f"sums={f}")
+
+
 @pytest.mark.e2e
 def test_gapo_eval_end_to_end_on_two_benchmark_files(tmp_path, small_sums, shared_data):
     math500 = shared_data("math/math500.json")  # first: a skip must come before the engine starts
