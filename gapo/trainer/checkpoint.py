@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import yaml
+from safetensors import SafetensorError
 from torch import Tensor
 
 from gapo import rundir
@@ -79,6 +80,10 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+# A failed write, as each writer raises it (see save).
+WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written (a full disk): the previous ones are intact, the partial one removed."""
 
@@ -87,7 +92,8 @@ def save(actor, tokenizer, cfg: Config, state: TrainerState, run_dir: Path) -> P
     """Collective: every rank calls it. Returns the checkpoint directory.
 
     Refuses before writing when the disk has less room than the checkpoint needs (its predecessor's size, or an
-    estimate from the parameter count); a write that fails anyway (ENOSPC, any OSError) on any rank removes the
+    estimate from the parameter count); a write that fails anyway on any rank (ENOSPC arrives as OSError from our
+    writes, as RuntimeError from torch.save inside DeepSpeed, as SafetensorError from the export) removes the
     partial directory on every rank's word and stops the run with the path and the bytes needed."""
     rank = dist.get_rank()
     root = run_dir / rundir.CHECKPOINTS
@@ -103,11 +109,14 @@ def save(actor, tokenizer, cfg: Config, state: TrainerState, run_dir: Path) -> P
         _abandon(tmp, rank)
         raise CheckpointError(failure)
     try:
-        if os.environ.get("GAPO_FAULT") == f"enospc:{state.step}" and rank == dist.get_world_size() - 1:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp))  # fault injection (disk tests)
+        fault = os.environ.get("GAPO_FAULT", "")  # fault injection (disk tests)
+        if fault == f"enospc:{state.step}" and rank == dist.get_world_size() - 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp))
+        if fault == f"fill:{state.step}" and rank == 0:
+            _fill(root)  # the disk fills up after the room check: the real writers below meet a real ENOSPC
         actor.engine.save_checkpoint(str(tmp / "ds"), tag="state", save_latest=False)
         torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
-    except OSError as err:
+    except WRITE_ERRORS as err:
         failure = f"rank {rank}: {err}"
     # Collective under ZeRO-3 (full tensors on rank 0 only); keys lose the Policy wrapper's "lm." prefix.
     full = actor.engine._zero3_consolidated_16bit_state_dict() if actor.zero_stage == 3 \
@@ -119,7 +128,9 @@ def save(actor, tokenizer, cfg: Config, state: TrainerState, run_dir: Path) -> P
             tokenizer.save_pretrained(tmp / "hf")
             (tmp / rundir.STATE).write_text(json.dumps(asdict(state), indent=1))
             (tmp / rundir.CONFIG).write_text(dump_config(cfg))
-        except OSError as err:
+            _fsync_tree(tmp)
+            _write_atomic(tmp / rundir.MANIFEST, json.dumps(manifest(tmp), indent=1))
+        except WRITE_ERRORS as err:
             failure = f"rank 0: {err}"
     failures = [f for f in gather(failure) if f]
     if failures:
@@ -129,8 +140,6 @@ def save(actor, tokenizer, cfg: Config, state: TrainerState, run_dir: Path) -> P
                               f"it needs about {need / 2**30:.2f} GiB, {shutil.disk_usage(root).free / 2**30:.2f} GiB "
                               "are free. The partial checkpoint was removed; the earlier ones are intact")
     if rank == 0:
-        _fsync_tree(tmp)
-        _write_atomic(tmp / rundir.MANIFEST, json.dumps(manifest(tmp), indent=1))
         if os.environ.get("GAPO_FAULT") == f"kill_before_rename:{state.step}":  # fault injection (crash tests)
             os.kill(os.getpid(), 9)
         if final.exists():
@@ -140,6 +149,19 @@ def save(actor, tokenizer, cfg: Config, state: TrainerState, run_dir: Path) -> P
         _prune(root, cfg.trainer.keep_last, cfg.trainer.keep_steps, cfg.trainer.keep_every)
     dist.barrier()
     return final
+
+
+def _fill(root: Path) -> None:
+    """Fault injection: takes all but 4 KiB of the filesystem's free space (only a small one's, such as the tmpfs
+    of the disk tests), as another job writing there would."""
+    free = shutil.disk_usage(root).free
+    if free > 2**30:
+        raise RuntimeError(f"GAPO_FAULT=fill fills only a small filesystem; {root} has {free / 2**30:.1f} GiB free")
+    fd = os.open(root / ".ballast", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.posix_fallocate(fd, 0, max(free - 4096, 1))
+    finally:
+        os.close(fd)
 
 
 def _expected_bytes(root: Path, actor) -> int:
