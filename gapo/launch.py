@@ -10,6 +10,7 @@ its way out), so does this launcher, so that a requeue script sees one code. Eve
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -33,10 +34,24 @@ def _children() -> list[int]:
 
 def _forward(signum, frame) -> None:  # noqa: ARG001 - signal's signature
     for pid in _children():
-        try:
+        with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
             os.kill(pid, signum)
-        except ProcessLookupError:
-            pass
+
+
+STOPPED = {-signal.SIGTERM, -signal.SIGKILL}  # how torchrun stops the other ranks once one has exited
+TOLD = {2, 3}  # gapo-train's exits after a message of its own (a config error; a run that cannot go on)
+
+
+def exit_code(codes: set[int]) -> int | None:
+    """This launcher's exit from the failed ranks' exit codes, or None when a rank died (the caller says which).
+
+    A rank exits PREEMPTED only after the collective save's final barrier, so the checkpoint is whole even when
+    torchrun stopped a slower rank on its way out; likewise a rank that exited 2 or 3 has said why on the console,
+    and its code is the run's."""
+    for code in (PREEMPTED, *sorted(TOLD)):
+        if code in codes and codes <= {code} | STOPPED:
+            return code
+    return None
 
 
 def main() -> int:
@@ -51,11 +66,9 @@ def main() -> int:
     try:
         torchrun()
     except ChildFailedError as err:
-        codes = {f.exitcode for f in err.failures.values()}
-        # A rank exits PREEMPTED only after the collective save's final barrier, so the checkpoint is whole even
-        # when torchrun stopped a slower rank (SIGTERM, then SIGKILL after 30 s) on its way out.
-        if PREEMPTED in codes and codes <= {PREEMPTED, -signal.SIGTERM, -signal.SIGKILL}:
-            return PREEMPTED
+        code = exit_code({f.exitcode for f in err.failures.values()})
+        if code is not None:
+            return code
         for rank, f in sorted(err.failures.items()):
             how = f"killed by {signal.Signals(-f.exitcode).name}" if f.exitcode < 0 else f"exit code {f.exitcode}"
             print(f"gapo-train: rank {rank} (pid {f.pid}) died: {how}; the other ranks were stopped",

@@ -526,3 +526,15 @@ def test_a_resharded_checkpoint_holds_the_saved_state(torchrun, tmp_path, dtype,
     drift = torch.cat([(a["next"][k] - b["next"][k]).abs().flatten() for k in a["next"]]).mean()
     update = torch.cat([(a["next"][k] - a["params"][k][0]).abs().flatten() for k in a["next"]]).mean()
     assert drift < 0.01 * update, (float(drift), float(update))
+
+
+def test_the_launcher_keeps_a_rank_exit_that_explains_itself():
+    """Preempted (75), a config error (2) and a run that cannot go on (3) are the run's exit code when every other
+    rank ended the same way or was stopped by torchrun; anything else is a rank that died, for the caller to name."""
+    from gapo.launch import exit_code
+
+    term, kill = -signal.SIGTERM, -signal.SIGKILL
+    assert exit_code({75}) == 75 and exit_code({75, term}) == 75 and exit_code({75, kill}) == 75
+    assert exit_code({3, term}) == 3 and exit_code({2}) == 2
+    assert exit_code({1}) is None and exit_code({kill}) is None and exit_code({3, 1}) is None
+    assert exit_code({75, 3}) is None  # two different stories: name the ranks
