@@ -56,7 +56,8 @@ def attention_backend():
     among flash, memory-efficient, cuDNN and math kernels, and may pick differently with and without autograd
     (cuDNN's forward-only path, say), which would make the first mini-batch's IS ratio differ from 1 by kernel
     rounding. The memory-efficient kernel takes padding masks, runs forward and backward, and is pinned for
-    both (GPU only; unverified here, bench/gpu/check.sh asserts the deviation is 0). On CPU nothing changes."""
+    both passes and for the backward, where gradient checkpointing recomputes the forward (GPU only; unverified
+    here, bench/gpu/check.sh asserts the deviation is 0). On CPU nothing changes."""
     if not torch.cuda.is_available():
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -176,7 +177,8 @@ class Actor:
 
         At an optimizer-step boundary, returns whether the step was applied: False when the gradient norm was
         not finite (a NaN/inf loss gives one), in which case weights and optimizer state are untouched."""
-        self.engine.backward(loss * self.world, scale_wrt_gas=False)
+        with attention_backend():  # gradient checkpointing recomputes the forward here: the same kernel again
+            self.engine.backward(loss * self.world, scale_wrt_gas=False)
         boundary = self.engine.is_gradient_accumulation_boundary()
         if self.zero_stage == 0 and boundary:
             # Without ZeRO, DeepSpeed clips but does not report the norm: take it here, where the gradients
