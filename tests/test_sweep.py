@@ -206,7 +206,7 @@ def _fake_results(root: Path, m, values: dict[tuple[str, int], float]) -> None:
         d = j.out / "eval" / m.protocol_name / f"step_{max(m.eval.steps):06d}"
         d.mkdir(parents=True)
         metrics = {"val/arithmetic/pass@1": v, "val/arithmetic/pass@4": min(1.0, 2 * v), "val/mean/pass@1": v,
-                   "val/mean/pass@4": min(1.0, 2 * v)}
+                   "val/mean/pass@4": min(1.0, 2 * v), "val/arithmetic/coverage": round(16 * v)}
         (d / "results.json").write_text(json.dumps({"meta": {}, "metrics": metrics}))
 
 
@@ -223,6 +223,7 @@ def test_the_table_is_built_from_the_evaluations_with_cis_and_welch(tmp_path):
     _fake_results(tmp_path, m, {("gspo", 1): 0.12})
     md = write(m, tmp_path).read_text()
     assert "| GAPO vs GSPO | +21.00" in md and "(p = " in md and "## Missing" not in md
+    assert "![coverage.png](coverage.png)" in md and (tmp_path / "tiny_cpu" / "compare" / "coverage.png").is_file()
     rows = (tmp_path / "tiny_cpu" / "compare" / "table.csv").read_text().splitlines()
     assert rows[0] == "method,benchmark,metric,step,seeds,mean,ci95_half_width,values" and len(rows) == 1 + 2 * 2 * 2
 
@@ -251,7 +252,8 @@ def test_the_chain_sweep_evaluate_table_on_the_tiny_manifest(tmp_path):
         row = next(x for x in md.splitlines() if x.startswith(f"| {label} |"))
         assert row.count("±") == 4, row  # two benchmarks columns (arithmetic, mean) x pass@1 / pass@4
     assert "| GAPO vs GSPO |" in md and "## Missing" not in md
-    assert (tmp_path / "runs" / "tiny_cpu" / "compare" / "clip_vs_c.png").is_file()
+    for fig in ("clip_vs_c.png", "coverage.png"):
+        assert (tmp_path / "runs" / "tiny_cpu" / "compare" / fig).is_file()
     again = sweep("tiny_cpu", "--run", "--output-root", root)
     assert again.returncode == 0 and again.stdout.count("finished, skipped") == 4
     again = sweep("tiny_cpu", "--eval", "--output-root", root)

@@ -164,6 +164,8 @@ def _figures(m: Manifest, js: list[Job], found: dict, benches: list[str]) -> dic
         figs.update({names[w]: built.get(names[w]) for w in want & set(names)})
     if "eval_over_steps" in want:
         figs["eval_over_steps.png"] = fig_over_steps(m, js, found, benches)
+    if "coverage" in want:
+        figs["coverage.png"] = fig_coverage(m, js, found, benches)
     if "vs_group_size" in want:
         figs["vs_group_size.png"] = fig_vs_group_size(m, js, found)
     if "branch" in want:
@@ -203,6 +205,26 @@ def fig_over_steps(m: Manifest, js: list[Job], found: dict, benches: list[str]) 
         ax.set_xlabel("step")
     fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=4, frameon=False)
     fig.suptitle(f"{m.title}: evaluation over training (paper Fig. 4)\n(mean over seeds ± 95 % CI, Student-t)")
+    return fig
+
+
+def fig_coverage(m: Manifest, js: list[Job], found: dict, benches: list[str]) -> Figure | None:
+    """Fig. 8: per benchmark, the problems solved in more than 5 % of the evaluation's samples (gapo-eval's
+    val/<bench>/coverage, at the protocol's n: 256 for Table 3) at each evaluated checkpoint."""
+    cover = [b for b in benches if any(f"val/{b}/coverage" in mets for per in found.values() for mets in per.values())]
+    if not cover:
+        return None
+    fig = Figure(figsize=(max(7.0, 4.2 * len(cover)), 4.6), layout="constrained")
+    axes = fig.subplots(1, len(cover), squeeze=False)[0]
+    for ax, b in zip(axes, cover, strict=True):
+        for i, r in enumerate(m.runs):
+            _band(ax, *_series(m, js, found, r.name, f"val/{b}/coverage"), r.label or r.name, i)
+        ax.set_title(f"{b}: problems solved in > 5 % of samples", fontsize=10)
+        ax.set_xlabel("step")
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=4, frameon=False)
+    axes[0].set_ylabel("problems")
+    fig.suptitle(f"{m.title}\nproblem coverage over training (paper Fig. 8; mean over seeds ± 95 % CI, Student-t)",
+                 fontsize=11)
     return fig
 
 
