@@ -337,8 +337,9 @@ def test_resume_auto_goes_on_from_the_newest_valid_or_starts_fresh(tmp_path):
     # A run that died before its first checkpoint starts over; one whose checkpoints are all damaged is refused.
     (tmp_path / "early").mkdir()
     (tmp_path / "early" / "metrics.jsonl").write_text('{"step": 1}\n')
+    (tmp_path / "early" / "rollouts.jsonl").write_text('{"step": 1}\n')
     assert resume_or_branch(_cfg(tmp_path / "early", "trainer.resume_from=auto"), world=1, rank=0).ckpt is None
-    assert not (tmp_path / "early" / "metrics.jsonl").exists()
+    assert not (tmp_path / "early" / "metrics.jsonl").exists() and not (tmp_path / "early" / "rollouts.jsonl").exists()
     for ck in (run_dir / "checkpoints").glob("step_*"):
         (ck / "trainer.json").write_text("{}")
     with pytest.raises(ConfigError, match="holds checkpoints but none of them verifies"):

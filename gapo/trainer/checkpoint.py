@@ -368,9 +368,11 @@ def resume_or_branch(cfg: Config, world: int, rank: int) -> Start:
             log.info("resuming from %s (step %d)%s; changed: %s", ckpt, state.step,
                      f", branching into {run_dir}" if branched else "", ", ".join(changed) or "-")
     if auto and state is None and (run_dir / rundir.METRICS).exists():  # died before its first checkpoint
-        log.warning("--resume auto: %s has no checkpoint; its %s is started over", run_dir, rundir.METRICS)
+        log.warning("--resume auto: %s has no checkpoint; its %s and %s are started over", run_dir, rundir.METRICS,
+                    rundir.ROLLOUTS)
         if rank == 0:
             (run_dir / rundir.METRICS).unlink()
+            (run_dir / rundir.ROLLOUTS).unlink(missing_ok=True)  # appended to: its old lines would repeat steps
     elif (state is None or branched) and ((run_dir / rundir.METRICS).exists() or
                                           (run_dir / rundir.CHECKPOINTS).exists()):
         raise ConfigError(f"trainer.output_dir={run_dir} already holds a run: continue it with --resume {run_dir}, "
