@@ -424,6 +424,28 @@ def test_sigterm_saves_exits_75_and_the_resumed_run_is_the_uninterrupted_one(bas
     assert_same_steps(metrics(base / f"u{nproc}"), resumed, [1, 2, 3, 4])
 
 
+@pytest.mark.e2e
+def test_a_step_past_the_deadline_is_abandoned_twice_and_the_run_resumes_exactly(base, tmp_path):
+    """With no time to finish a step (trainer.preempt_deadline_s=1e-6), a signal before step 3 abandons it before
+    any weight moves and the run keeps step 2's checkpoint (sampler and RNG from before step 3). Preempted again
+    in the first step after resuming, it leaves that checkpoint as it is (rewriting it would first remove it).
+    The third start finishes the run, with the uninterrupted run's metrics."""
+    out = tmp_path / "a"
+    fault = {**ENV, "GAPO_FAULT": "signal:3"}
+    r = run(out, "trainer.preempt_deadline_s=1e-6", env=fault, ok=False)
+    assert r.returncode == 75, r.stderr[-3000:]
+    assert "step 3 abandoned" in r.stderr and "step 2 saved" in r.stderr
+    ck = out / "checkpoints"
+    assert (ck / "latest").read_text() == "step_000002" and not (ck / "step_000003").exists()
+    kept = (ck / "step_000002" / "manifest.json").stat()
+    r = run(out, "trainer.preempt_deadline_s=1e-6", "--resume", "auto", env=fault, ok=False)
+    assert r.returncode == 75 and "step 3 abandoned" in r.stderr, r.stderr[-3000:]
+    again = (ck / "step_000002" / "manifest.json").stat()
+    assert (again.st_ino, again.st_mtime_ns) == (kept.st_ino, kept.st_mtime_ns)  # not rewritten
+    run(out, "--resume", "auto")
+    assert_same_steps(metrics(base / "u1"), metrics(out), [1, 2, 3, 4])
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A 256 MiB tmpfs (where the machine lets us mount one: as root, like our CI), else None."""

@@ -46,8 +46,10 @@ log = logging.getLogger("gapo.checkpoint")
 # the data, group size, batch shapes, optimizer settings held in the optimizer state) is refused.
 MAY_CHANGE = ("algorithm.", "trainer.resume_from", "trainer.total_steps", "trainer.output_dir", "trainer.save_every",
               "trainer.keep_last", "trainer.keep_steps", "trainer.keep_every", "trainer.eval_every",
-              "trainer.log_rollouts", "tracking.", "reward.", "eval.", "rollout.engine", "rollout.compile",
-              "rollout.kv_cache_gb", "rollout.gpu_memory_utilization", "rollout.sleep_between_steps")
+              "trainer.log_rollouts", "trainer.max_skipped_steps", "trainer.preempt_deadline_s",
+              "trainer.collective_timeout_min", "trainer.check_memory", "tracking.", "reward.", "eval.",
+              "rollout.engine", "rollout.compile", "rollout.kv_cache_gb", "rollout.gpu_memory_utilization",
+              "rollout.sleep_between_steps")
 
 
 @dataclass
@@ -297,9 +299,8 @@ def check_compatible(saved: Config, cfg: Config, state: TrainerState, world: int
     bad = [k for k in changed if not k.startswith(MAY_CHANGE)]
     if bad:
         detail = ", ".join(f"{k}: {a[k]!r} -> {b[k]!r}" for k in bad)
-        raise ConfigError(f"cannot resume with a different {detail}; only algorithm.*, tracking.*, reward.*, the "
-                          "rollout engine settings and trainer.total_steps/output_dir/save_every/keep_last/"
-                          "eval_every/log_rollouts may change")
+        may = ", ".join(f"{k}*" if k.endswith(".") else k for k in MAY_CHANGE)
+        raise ConfigError(f"cannot resume with a different {detail}; only these may change: {may}")
     if world != state.world_size:
         log.warning("checkpoint was written by %d ranks, this run has %d: its ZeRO shards are re-cut through "
                     "DeepSpeed's universal checkpoint (docs/REFERENCE.md, 'Resuming on another number of GPUs')",

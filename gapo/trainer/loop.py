@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import random
+import signal
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -109,7 +110,7 @@ class Setup:
     actor: Actor
     tracker: Tracker | None  # rank 0 only
     wandb_id: str | None
-    resumed: bool  # went on from a checkpoint (its run's step-0 validation is logged already)
+    loaded: Path | None  # the checkpoint it went on from (its run's step-0 validation is logged already)
 
 
 def setup(cfg: Config, rank: int, world: int) -> Setup:
@@ -186,7 +187,7 @@ def setup(cfg: Config, rank: int, world: int) -> Setup:
     wandb_id = gather(tracker.wandb_id if tracker else None)[0]
     return Setup(cfg=cfg, run_dir=run_dir, first_step=start.state.step + 1 if start.state else 1, parent=start.parent,
                  tokenizer=tokenizer, problems=problems, prompt_ids=prompt_ids, sampler=sampler, benches=benches,
-                 engine=engine, actor=actor, tracker=tracker, wandb_id=wandb_id, resumed=start.ckpt is not None)
+                 engine=engine, actor=actor, tracker=tracker, wandb_id=wandb_id, loaded=start.ckpt)
 
 
 def train(cfg: Config) -> Path:
@@ -220,7 +221,7 @@ def train(cfg: Config) -> Path:
             console.say(f"validation at step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in m.items()
                                                                       if k.startswith("val/mean/")))
 
-    if s.benches and s.first_step == 1 and not s.resumed:
+    if s.benches and s.first_step == 1 and s.loaded is None:
         validate(0)
     skipped_in_a_row = 0
     last_rest_s = last_save_s = 0.0  # the previous step's time after scoring, and its checkpoint's: a deadline check
@@ -236,6 +237,8 @@ def train(cfg: Config) -> Path:
         timings: dict[str, float] = {}
         step_tic = time.perf_counter()
         before = s.sampler.state_dict(), checkpoint.rng_state()  # this step redone on resume, if it is abandoned
+        if os.environ.get("GAPO_FAULT") == f"signal:{step}" and rank == 0:  # fault injection (preemption tests)
+            os.kill(os.getpid(), signal.SIGTERM)
         # --- 1. prompts (the same global draw on every rank, each takes its contiguous shard) -> rollouts ------
         batch = s.sampler.next(r.prompts_per_step)
         mine = list(range(rank * shape.prompts, (rank + 1) * shape.prompts))
@@ -272,7 +275,8 @@ def train(cfg: Config) -> Path:
             # step's state is saved, with the sampler and RNG from before this step.
             s.sampler.load_state_dict(before[0])
             checkpoint.set_rng_state(before[1])
-            save(step - 1)
+            if not (step == s.first_step and s.loaded is not None and s.loaded.parent == run_dir / rundir.CHECKPOINTS):
+                save(step - 1)  # (else that state is the checkpoint this run loaded: rewriting would first remove it)
             raise Preempted(f"preempted {since:.0f} s ago: step {step} abandoned (it would end past "
                             f"trainer.preempt_deadline_s={t.preempt_deadline_s:g}), step {step - 1} saved in "
                             f"{run_dir / rundir.CHECKPOINTS}; `--resume auto` goes on from there")
