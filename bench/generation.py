@@ -23,7 +23,7 @@ import argparse
 import time
 
 import torch
-from _util import median
+from _util import cpu_line, median
 
 from gapo.data import arithmetic_problems, build_prompt_ids
 from gapo.distributed import init_distributed
@@ -92,14 +92,15 @@ def main() -> None:
                 tokens[name].append(n)
             print(f"round {rep} {name}: {n} tokens in {dt:.2f} s, {n / dt:.0f} tokens/s", flush=True)
     print(f"\n== generation: vLLM vs transformers generate (SmolLM2-135M fp32 CPU, 8 prompts x {K}, "
-          f"<= {new} new tokens, temperature 1) ==")
+          f"<= {new} new tokens, temperature 1) ==\n{cpu_line()}")
     for variant in ("engine", "fixed"):
         v, h = median(rates[f"{variant} vllm"]), median(rates[f"{variant} hf"])
         label = ("gapo's engines (stop at EOS; HFEngine: one generate call per prompt)" if variant == "engine" else
                  f"EOS ignored ({new} tokens per sample; HF: all samples in one batched generate call)")
+        per_round = [a / b for a, b in zip(rates[f"{variant} vllm"], rates[f"{variant} hf"], strict=True)]
         print(f"{label}: vLLM {v:.0f} tokens/s ({median(tokens[f'{variant} vllm']):.0f} tokens), "
-              f"HF {h:.0f} tokens/s ({median(tokens[f'{variant} hf']):.0f} tokens), ratio vLLM/HF {v / h:.2f}"
-              "   (goal >= 3)")
+              f"HF {h:.0f} tokens/s ({median(tokens[f'{variant} hf']):.0f} tokens), ratio vLLM/HF {v / h:.2f} "
+              f"(per round {min(per_round):.2f}-{max(per_round):.2f}, {len(per_round)} rounds)   (goal >= 3)")
 
 
 if __name__ == "__main__":
