@@ -79,9 +79,10 @@ def train_main(argv: list[str] | None = None) -> int:
     rank0 = os.environ.get("RANK", "0") == "0"
     if not args.verbose:
         console.capture(show_warnings=rank0)  # before the libraries load: what they print goes to train.log
+    from gapo.reward.registry import RewardsFailed
     from gapo.trainer import preempt
     from gapo.trainer.checkpoint import CheckpointError
-    from gapo.trainer.loop import RewardsFailed, TrainingDiverged, train
+    from gapo.trainer.loop import TrainingDiverged, train
     from gapo.trainer.preempt import PREEMPTED, Preempted
 
     try:

@@ -124,11 +124,11 @@ def test_too_many_errored_rollouts_stop_the_step(monkeypatch):
     groups get no gradient); more means a broken rewarder, and the run stops rather than train on nothing."""
     import torch
 
+    from gapo.reward.registry import RewardsFailed, check_rewards
     from gapo.reward.types import RewardResult
-    from gapo.trainer import loop
 
-    monkeypatch.setattr(loop.dist, "all_reduce", lambda t: None)  # one rank: the sum is its own count
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda t: None)  # one rank: the sum is its own count
     ok, bad = RewardResult(reward=1.0, status="correct"), RewardResult(reward=0.0, status="error")
-    loop.check_rewards([bad] * 2 + [ok] * 6, 0.25, 3, torch.device("cpu"))  # 2 of 8 = the share allowed
-    with pytest.raises(loop.RewardsFailed, match=r"step 3: 3 of 8 rollouts could not be scored .*max_error_frac=0.25"):
-        loop.check_rewards([bad] * 3 + [ok] * 5, 0.25, 3, torch.device("cpu"))
+    check_rewards([bad] * 2 + [ok] * 6, 0.25, 3, torch.device("cpu"))  # 2 of 8 = the share allowed
+    with pytest.raises(RewardsFailed, match=r"step 3: 3 of 8 rollouts could not be scored .*max_error_frac=0.25"):
+        check_rewards([bad] * 3 + [ok] * 5, 0.25, 3, torch.device("cpu"))

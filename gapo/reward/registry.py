@@ -146,3 +146,21 @@ def _score(kind: str, groups: list[list[str]], problems: list[Problem],
 
     runner = default_runner(cfg.num_workers, cfg.code_timeout_s, cfg.code_memory_mb)
     return runner.score_batch([(g, p.gold) for g, p in zip(groups, problems, strict=True)])
+
+
+class RewardsFailed(RuntimeError):
+    """Too many of a step's rollouts could not be scored: a broken rewarder must not train on nothing silently."""
+
+
+def check_rewards(results: list[RewardResult], max_error_frac: float, step: int, device) -> None:
+    """Collective: the same decision on every rank, from the step's share of rollouts with status "error"."""
+    import torch
+    import torch.distributed as dist
+
+    n = torch.tensor([sum(x.status == "error" for x in results), len(results)], dtype=torch.float64, device=device)
+    dist.all_reduce(n)
+    errors, total = int(n[0]), int(n[1])
+    if errors > max_error_frac * total:
+        raise RewardsFailed(f"step {step}: {errors} of {total} rollouts could not be scored (status error; "
+                            f"reward.max_error_frac={max_error_frac}): the rewarder is failing, see the errors "
+                            "logged above in train.log")

@@ -33,8 +33,8 @@ from gapo.data import Problem, Sampler, stop_token_ids, tokenize_problems
 from gapo.distributed import gather, init_distributed
 from gapo.memory import plan_text
 from gapo.models import check_context_budget, resolve_model
-from gapo.reward.registry import score_groups, training_set
-from gapo.reward.types import RewardResult, status_counts
+from gapo.reward.registry import check_rewards, score_groups, training_set
+from gapo.reward.types import status_counts
 from gapo.rollout.engine import Engine, build_engine
 from gapo.rollout.types import Rollout, SamplingConfig
 from gapo.study.evaluate import Bench, evaluate, load_benchmark, summary, write_results
@@ -61,21 +61,6 @@ log = logging.getLogger("gapo.train")
 
 class TrainingDiverged(RuntimeError):
     """Too many optimizer steps in a row had a non-finite gradient: the run stops instead of idling."""
-
-
-class RewardsFailed(RuntimeError):
-    """Too many of a step's rollouts could not be scored: a broken rewarder must not train on nothing silently."""
-
-
-def check_rewards(results: list[RewardResult], max_error_frac: float, step: int, device: torch.device) -> None:
-    """Collective: the same decision on every rank, from the step's share of rollouts with status "error"."""
-    n = torch.tensor([sum(x.status == "error" for x in results), len(results)], dtype=torch.float64, device=device)
-    dist.all_reduce(n)
-    errors, total = int(n[0]), int(n[1])
-    if errors > max_error_frac * total:
-        raise RewardsFailed(f"step {step}: {errors} of {total} rollouts could not be scored (status error; "
-                            f"reward.max_error_frac={max_error_frac}): the rewarder is failing, see the errors "
-                            "logged above in train.log")
 
 
 def process_age() -> float:
