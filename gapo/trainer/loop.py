@@ -34,7 +34,7 @@ from gapo.distributed import gather, init_distributed
 from gapo.memory import plan_text
 from gapo.models import check_context_budget, resolve_model
 from gapo.reward.registry import check_rewards, score_groups, training_set
-from gapo.reward.types import status_counts
+from gapo.reward.types import RewardResult, status_counts
 from gapo.rollout.engine import Engine, build_engine
 from gapo.rollout.types import Rollout, SamplingConfig
 from gapo.study.evaluate import Bench, evaluate, load_benchmark, summary, write_results
@@ -43,6 +43,7 @@ from gapo.trainer import checkpoint, preempt
 from gapo.trainer.actor import Actor
 from gapo.trainer.logprobs import MicroBatch, pack_step
 from gapo.trainer.losses import (
+    GroupAdvantages,
     MismatchStats,
     RolloutStats,
     StepNorm,
@@ -234,26 +235,16 @@ def train(cfg: Config) -> Path:
         if r.sleep_between_steps:
             engine.sleep()
 
-        # --- 2. rewards and advantages --------------------------------------------------------------------------
+        # --- 2. rewards, advantages, and which rollouts the loss takes --------------------------------------------
         tic = time.perf_counter()
         results = score_groups(cfg.data.type, [[x.text for x in g] for g in groups],
                                [s.problems[batch[j]] for j in mine], cfg.reward)
         timings["reward"] = time.perf_counter() - tic
         rollouts = [x for g in groups for x in g]
         flat_results = [res for g in results for res in g]
-        rewards = torch.tensor([res.reward for res in flat_results])
-        ga = group_advantages(rewards, [r.group_size] * len(groups), std_normalize=a.std_normalize,
-                              focal_gamma=a.focal_gamma, correct_threshold=a.correct_threshold)
-        # Rollouts left out of the loss keep their place (every rank must run the same forwards under ZeRO-3);
-        # they just get no tokens in the mask, the normaliser or the metrics. A group its rewarder failed on (every
-        # rollout "error") is one of them: a rewarder's failure is no signal about the policy.
-        failed = [all(x.status == "error" for x in g) for g in results]
-        keep = torch.tensor([not f for f, g in zip(failed, results, strict=True) for _ in g])
         check_rewards(flat_results, cfg.reward.max_error_frac, step, actor.device)
-        if r.filter_uniform_groups:
-            keep &= (ga.c > 0) & (ga.c < ga.k)
-        if r.mask_truncated:
-            keep &= torch.tensor([not x.truncated for x in rollouts])
+        rewards = torch.tensor([res.reward for res in flat_results])
+        ga, keep = advantages_and_keep(rewards, groups, results, cfg)
         since = preempt.agreed(actor.device)
         if since is not None and since + last_rest_s + last_save_s > t.preempt_deadline_s:
             # Signalled, and finishing the step would pass the deadline: nothing has moved yet, so the previous
@@ -333,6 +324,23 @@ def train(cfg: Config) -> Path:
         tracker.finish()
     dist.barrier()
     return run_dir
+
+
+def advantages_and_keep(rewards: Tensor, groups: list[list[Rollout]], results: list[list[RewardResult]],
+                        cfg: Config) -> tuple[GroupAdvantages, Tensor]:
+    """Group advantages [R] and the keep mask [R] bool: a rollout left out of the loss keeps its place (every rank
+    must run the same forwards under ZeRO-3) and just gets no tokens in the mask, the normaliser or the metrics.
+    A group its rewarder failed on (every rollout "error") is left out: a rewarder's failure is no signal about
+    the policy; so are uniform groups and truncated responses when the rollout settings say so."""
+    r, a = cfg.rollout, cfg.algorithm
+    ga = group_advantages(rewards, [r.group_size] * len(groups), std_normalize=a.std_normalize,
+                          focal_gamma=a.focal_gamma, correct_threshold=a.correct_threshold)
+    keep = torch.tensor([not all(x.status == "error" for x in g) for g in results for _ in g])
+    if r.filter_uniform_groups:
+        keep &= (ga.c > 0) & (ga.c < ga.k)
+    if r.mask_truncated:
+        keep &= torch.tensor([not x.truncated for g in groups for x in g])
+    return ga, keep
 
 
 @dataclass
