@@ -393,11 +393,13 @@ def _pids_of(run_dir: Path) -> dict[int, int]:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_sigterm_saves_exits_75_and_the_resumed_run_is_the_uninterrupted_one(base, tmp_path, nproc):
-    """SIGTERM (SLURM's preemption) to the whole process tree at a random moment of step 2 or 3: every rank
-    finishes its step (or abandons it), saves, and the run exits 75; `--resume auto` with the same command line
-    then logs exactly the uninterrupted run's metrics.
+@pytest.mark.parametrize("nproc, whom", [(1, "group"), (2, "top")])
+def test_sigterm_saves_exits_75_and_the_resumed_run_is_the_uninterrupted_one(base, tmp_path, nproc, whom):
+    """A preemption signal at a random moment of step 2 or 3: SIGTERM to the whole process tree (1 rank), or
+    SIGUSR1 to the gapo-train process alone (2 ranks: it reaches the ranks only through gapo-train and gapo.launch
+    forwarding it, as SLURM's --signal reaches srun's task). Every rank finishes its step (or abandons it), saves,
+    and the run exits 75; `--resume auto` with the same command line then logs exactly the uninterrupted run's
+    metrics.
 
     The run is 8 steps long (the schedule is constant, so its first 4 are the 4-step reference's) and the signal
     comes at most 0.5 s after step 1 is logged: it lands well before the last step on any machine. (A signal
@@ -410,7 +412,10 @@ def test_sigterm_saves_exits_75_and_the_resumed_run_is_the_uninterrupted_one(bas
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     _wait_for_step(out, 1, proc)
     time.sleep(random.uniform(0.0, 0.5))
-    os.killpg(proc.pid, signal.SIGTERM)
+    if whom == "group":
+        os.killpg(proc.pid, signal.SIGTERM)
+    else:
+        os.kill(proc.pid, signal.SIGUSR1)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 75, err[-3000:]
     assert "preempted" in err and "`--resume auto` goes on from there" in err
