@@ -294,6 +294,8 @@ def _manifested_run(tmp_path: Path) -> Path:
     run_dir = tmp_path / "r"
     for step in (2, 4):
         ck = _fake_run(run_dir, step)
+        state = json.loads((ck / "trainer.json").read_text())
+        (ck / "trainer.json").write_text(json.dumps({**state, "manifested": True}))  # as save writes it
         (ck / "ds" / "state" / "shard.pt").write_bytes(bytes(range(256)) * 40)
         (ck / "hf" / "model.safetensors").write_bytes(b"\x01" * 5000)
         (ck / "manifest.json").write_text(json.dumps(checkpoint.manifest(ck)))
@@ -304,6 +306,7 @@ def _manifested_run(tmp_path: Path) -> Path:
     ("truncate", "ds/state/shard.pt is truncated or padded (5000 bytes, the manifest says 10240)"),
     ("corrupt", "hf/model.safetensors is corrupt"),
     ("delete", "hf/config.json is missing"),
+    ("lose the manifest", "manifest.json is missing"),
 ])
 def test_a_damaged_checkpoint_is_named_and_auto_falls_back_to_the_previous(tmp_path, damage, needle, caplog):
     from gapo.trainer import checkpoint
@@ -317,8 +320,10 @@ def test_a_damaged_checkpoint_is_named_and_auto_falls_back_to_the_previous(tmp_p
         data = bytearray((newest / "hf" / "model.safetensors").read_bytes())
         data[1234] ^= 0xFF
         (newest / "hf" / "model.safetensors").write_bytes(bytes(data))
-    else:
+    elif damage == "delete":
         (newest / "hf" / "config.json").unlink()
+    else:  # half an rsync: everything but the manifest, of a checkpoint written with one
+        (newest / "manifest.json").unlink()
     with pytest.raises(ConfigError, match=re.escape(f"checkpoint {newest}: {needle}")):
         checkpoint.verify(newest)
     assert checkpoint.newest_valid(run_dir) == run_dir / "checkpoints" / "step_000002"

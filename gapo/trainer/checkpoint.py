@@ -60,6 +60,8 @@ class TrainerState:
     wandb_id: str | None = None
     # Where this run branched from: {"run_dir", "step", "algorithm"} (the paper's step-600 intervention).
     parent: dict | None = None
+    manifested: bool = False  # written with manifest.json (save sets it): then a missing manifest is damage
+
 
 
 def _fsync_tree(root: Path) -> None:
@@ -128,7 +130,7 @@ def save(actor, tokenizer, cfg: Config, state: TrainerState, run_dir: Path) -> P
         try:
             actor.module.save_pretrained(tmp / "hf", state_dict=state_dict, safe_serialization=True)
             tokenizer.save_pretrained(tmp / "hf")
-            (tmp / rundir.STATE).write_text(json.dumps(asdict(state), indent=1))
+            (tmp / rundir.STATE).write_text(json.dumps({**asdict(state), "manifested": True}, indent=1))
             (tmp / rundir.CONFIG).write_text(dump_config(cfg))
             _fsync_tree(tmp)
             _write_atomic(tmp / rundir.MANIFEST, json.dumps(manifest(tmp), indent=1))
@@ -213,6 +215,14 @@ def verify(ckpt: Path) -> None:
     manifest existed are taken as they are, with a warning."""
     listed = ckpt / rundir.MANIFEST
     if not listed.is_file():
+        try:
+            manifested = json.loads((ckpt / rundir.STATE).read_text()).get("manifested", False)
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"checkpoint {ckpt}: no {rundir.MANIFEST}, and cannot read {rundir.STATE} ({err}); the "
+                              "checkpoint is incomplete or damaged") from None
+        if manifested:
+            raise ConfigError(f"checkpoint {ckpt}: {rundir.MANIFEST} is missing; the checkpoint is incomplete or "
+                              "damaged")
         log.warning("checkpoint %s has no %s (written by an earlier gapo): not verified", ckpt, rundir.MANIFEST)
         return
     want = json.loads(listed.read_text())
