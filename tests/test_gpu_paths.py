@@ -75,6 +75,7 @@ def fake_vllm(monkeypatch):
 
     def llm(**kwargs):
         llms.append(FakeLLM(events, kwargs, fully_awake[0]))
+        fake.last_kwargs = kwargs
         return llms[-1]
 
     fake = types.ModuleType("vllm")
@@ -92,6 +93,41 @@ def fake_vllm(monkeypatch):
         return engine
 
     return events, build
+
+
+@pytest.fixture(scope="session")
+def engine_args_of_vllm() -> set[str]:
+    """The keyword arguments the installed vLLM's LLM() takes (EngineArgs' fields), read before any test fakes it."""
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    return {f.name for f in dataclasses.fields(EngineArgs)}
+
+
+@pytest.mark.parametrize("compile_mode, aot, eager", [("auto", "0", False), ("cache", "0", False), ("aot", "1", False),
+                                                      ("eager", "as it was", True)])
+def test_every_engine_argument_is_one_vllm_knows_and_compile_modes_map(engine_args_of_vllm, fake_vllm, monkeypatch,
+                                                                       compile_mode, aot, eager):
+    """The arguments gapo gives vLLM on GPU only (sleep mode, CUDA-graph offload) are checked here against the
+    installed vLLM's own EngineArgs, so a misspelt one fails on CPU, not on the first GPU; rollout.compile picks
+    vLLM's compile path (auto on CPU: inductor's cache without the AOT artifacts vLLM cannot load back there)."""
+    monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "as it was")  # and as it was after the test: the engine writes it
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    for sleep_mode in (False, True):
+        vllm_engine.VLLMEngine("unused", dtype="bfloat16", seed=0, max_model_len=64, sleep_mode=sleep_mode,
+                               kv_cache_gb=1.0, compile=compile_mode)
+        kwargs = sys.modules["vllm"].last_kwargs
+        assert set(kwargs) <= engine_args_of_vllm, set(kwargs) - engine_args_of_vllm
+        assert kwargs["enforce_eager"] is eager and os.environ.get("VLLM_USE_AOT_COMPILE") == aot
+        assert kwargs.get("sleep_mode_offload_cudagraph", False) is sleep_mode
+
+
+def test_configs_written_before_rollout_compile_still_read():
+    from gapo.config import resolve
+
+    assert resolve({"rollout": {"enforce_eager": True}}).rollout.compile == "eager"
+    assert resolve({"rollout": {"enforce_eager": False}}).rollout.compile == "auto"
 
 
 def weights(events: list):
