@@ -148,9 +148,24 @@ def test_metrics_by_hand():
     assert m["rollout_is/weight_max"] == pytest.approx(2.0)
     assert m["rollout_is/weight_mean"] == pytest.approx((math.exp(0.1) + math.exp(-0.2) + 2 + math.exp(0.05)
                                                         + math.exp(-0.05)) / 5)
-    assert set(k for k in m if k.endswith("/c1") or k.endswith("/c3")) == {
-        "logprob_mismatch/kl_k3/c1", "logprob_mismatch/kl_k3/c3", "rollout_is/masked_token_frac/c1",
-        "rollout_is/masked_token_frac/c3", "rollout_is/weight_mean/c1", "rollout_is/weight_mean/c3"}
+    # One sequence of two has its token 2 capped (log r = 1.0 > log 2): that one is the c = 1 rollout.
+    assert m["rollout_is/truncated_seq_frac"] == 0.5 and m["rollout_is/masked_seq_frac"] == 0
+    assert m["rollout_is/truncated_token_frac/c1"] == pytest.approx(1 / 3)
+    assert m["rollout_is/truncated_seq_frac/c1"] == 1 and m["rollout_is/truncated_seq_frac/c3"] == 0
+    assert m["rollout_is/weight_max/c1"] == pytest.approx(2.0)
+    assert m["rollout_is/weight_max/c3"] == pytest.approx(math.exp(0.05))
+    assert m["logprob_mismatch/kl_k1/c3"] == pytest.approx(-(0.05 - 0.05) / 2)
+    # Sequence level: row 0's ratios multiply to e^0.9 > 2, so its weight is the cap (exp(log 2), a rounding
+    # below 2 in float32) on each of its 3 tokens; row 1's multiply to 1.
+    w, keep = rollout_weights(OLD, ROLL, MASK, rc(mode="truncate", level="sequence", cap=2.0))
+    seq = mismatch_metrics(mismatch_stats(OLD, ROLL, MASK, torch.tensor([1, 3]), w, keep, cap=2.0), correction=True)
+    assert seq["rollout_is/truncated_token_frac"] == pytest.approx(3 / 5)
+    assert seq["rollout_is/truncated_seq_frac"] == 0.5
+    per_c = {"masked_token_frac", "masked_seq_frac", "truncated_token_frac", "truncated_seq_frac", "weight_mean",
+             "weight_max"}
+    assert {k for k in m if k.endswith(("/c1", "/c3"))} == {
+        f"{name}/c{c}" for c in (1, 3) for name in ["logprob_mismatch/kl_k1", "logprob_mismatch/kl_k3",
+                                                     *(f"rollout_is/{x}" for x in per_c)]}
     assert not any(k.startswith("rollout_is/") for k in mismatch_metrics(mismatch_stats(OLD, ROLL, MASK,
                                                                                          torch.tensor([1, 3])), False))
 

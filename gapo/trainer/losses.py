@@ -290,7 +290,8 @@ def mismatch_stats(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, c: Tens
             c=c.long().cpu(), n_tokens=n, k1_sum=(-d * mask).sum(-1), k3_sum=((d.exp() - 1 - d) * mask).sum(-1),
             abs_first=d[:, 0].abs() * (n > 0), abs_last=d.gather(1, last[:, None]).squeeze(1).abs() * (n > 0),
             pos_abs=(d.abs()[..., None] * onehot).sum(1), pos_tokens=onehot.sum(1), kept=keep.double().sum(-1),
-            capped=((w >= cap) & keep).double().sum(-1), w_sum=(w * keep).sum(-1),
+            # w = exp(log cap) may land a rounding below cap: within 1e-3 of it counts as capped
+            capped=((w >= cap * (1 - 1e-3)) & keep).double().sum(-1), w_sum=(w * keep).sum(-1),
             w_max=torch.where(keep, w, torch.zeros_like(w)).amax(-1) if w.numel() else torch.zeros(len(n)))
 
 
@@ -302,7 +303,6 @@ def mismatch_metrics(s: MismatchStats, correction: bool) -> dict[str, float]:
     if tok == 0:
         return {}
     has = s.n_tokens > 0
-    seqs = float(has.sum())
     out = {"logprob_mismatch/kl_k1": float(s.k1_sum.sum()) / tok, "logprob_mismatch/kl_k3": float(s.k3_sum.sum()) / tok,
            "logprob_mismatch/first_token_abs": float(s.abs_first[has].mean()),
            "logprob_mismatch/last_token_abs": float(s.abs_last[has].mean())}
@@ -311,20 +311,17 @@ def mismatch_metrics(s: MismatchStats, correction: bool) -> dict[str, float]:
     cs = sorted({int(x) for x in s.c[has]})
     for cc in cs:
         sel = has & (s.c == cc)
+        out[f"logprob_mismatch/kl_k1/c{cc}"] = float(s.k1_sum[sel].sum() / s.n_tokens[sel].sum())
         out[f"logprob_mismatch/kl_k3/c{cc}"] = float(s.k3_sum[sel].sum() / s.n_tokens[sel].sum())
     if correction:
-        kept = float(s.kept.sum())
-        masked_seq = has & (s.kept < s.n_tokens)
-        out.update({"rollout_is/masked_token_frac": 1 - kept / tok,
-                    "rollout_is/masked_seq_frac": float(masked_seq.sum()) / seqs,
-                    "rollout_is/truncated_token_frac": float(s.capped.sum()) / tok,
-                    "rollout_is/weight_mean": float(s.w_sum.sum()) / max(kept, 1.0),
-                    "rollout_is/weight_max": float(s.w_max.max())})
-        for cc in cs:
-            sel = has & (s.c == cc)
-            n_c = float(s.n_tokens[sel].sum())
-            out[f"rollout_is/masked_token_frac/c{cc}"] = 1 - float(s.kept[sel].sum()) / n_c
-            out[f"rollout_is/weight_mean/c{cc}"] = float(s.w_sum[sel].sum()) / max(float(s.kept[sel].sum()), 1.0)
+        for suffix, sel in [("", has), *((f"/c{cc}", has & (s.c == cc)) for cc in cs)]:
+            n_tok, kept, n_seq = float(s.n_tokens[sel].sum()), float(s.kept[sel].sum()), float(sel.sum())
+            out.update({f"rollout_is/masked_token_frac{suffix}": 1 - kept / n_tok,
+                        f"rollout_is/masked_seq_frac{suffix}": float((s.kept[sel] < s.n_tokens[sel]).sum()) / n_seq,
+                        f"rollout_is/truncated_token_frac{suffix}": float(s.capped[sel].sum()) / n_tok,
+                        f"rollout_is/truncated_seq_frac{suffix}": float((s.capped[sel] > 0).sum()) / n_seq,
+                        f"rollout_is/weight_mean{suffix}": float(s.w_sum[sel].sum()) / max(kept, 1.0),
+                        f"rollout_is/weight_max{suffix}": float(s.w_max[sel].max())})
     return out
 
 
