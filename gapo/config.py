@@ -232,7 +232,9 @@ class DataConfig(_Section):
     on_invalid: Literal["drop", "error"] = Field(
         "drop", description="A record its rewarder cannot score (empty or null answer, tests that do not parse or "
                             "hold no case, an empty prompt), found before step 1: drop it (counted on the console, "
-                            "listed in dropped_records.jsonl) or refuse the run, naming the first few.")
+                            "listed in dropped_records.jsonl) or refuse the run, naming the first few. Validation "
+                            "benchmarks and gapo-eval always drop such records, with their count: a benchmark is "
+                            "scored on what can be scored.")
     dedup: bool = Field(False, description="Drop problems whose normalised text (case, whitespace) repeats an "
                                            "earlier one; the count is logged.")
     arithmetic_size: int = Field(2000, gt=0, description="Embedded arithmetic set: how many problems.")

@@ -235,3 +235,24 @@ def test_print_config_shows_the_memory_plan_and_stays_a_config(config, capsys):
     assert re.search(r"^#   peak per GPU +[\d.]+  of 80.0 GB: fits$", out, re.M), out[-1500:]
     assert "8 ranks" in out
     assert resolve(yaml.safe_load(out)) == load_config(config)  # the plan is comments: the YAML is unchanged
+
+
+def test_the_rehearsal_checks_every_local_record_and_refuses_them_with_on_invalid_error(tmp_path):
+    """Before training anything, the rehearsal reads the whole local training file and counts what the run would
+    drop, by reason; with data.on_invalid=error it fails as the run would, naming the records."""
+    from gapo.errors import ConfigError
+    from gapo.rehearse import prepare
+
+    f = tmp_path / "train.jsonl"
+    rows = [{"problem": "1 + 1?", "answer": ""}, {"problem": "2 + 2?", "answer": None},
+            *({"problem": f"{i} + 1?", "answer": str(i + 1)} for i in range(20))]
+    f.write_text("".join(json.dumps(x) + "\n" for x in rows))
+    cfg = load_config("tiny_cpu", [f"data.train={f}", f"trainer.output_dir={tmp_path / 'run'}"])
+    p, run_dir = prepare(cfg, 1)
+    assert p.data_check == ("all 22 records checked: 2 of 22 records (empty answer: 1, no answer: 1) cannot be "
+                            "scored, dropped by the run")
+    sample = [json.loads(x) for x in (run_dir / "data_sample.jsonl").read_text().splitlines()]
+    assert sample and all(x["answer"] for x in sample)
+    cfg = load_config("tiny_cpu", [f"data.train={f}", "data.on_invalid=error", f"trainer.output_dir={tmp_path / 'x'}"])
+    with pytest.raises(ConfigError, match=r"data.train: 2 of 22 records .* cannot be scored \(data.on_invalid=error\)"):
+        prepare(cfg, 1)

@@ -114,7 +114,8 @@ def test_a_branch_is_evaluated_after_its_branch_point_and_reads_its_parents_befo
         assert found[("gapo_from_600", seed)][700] == {"val/mean/pass@1": 700 / 10_000 + 0.5}
     from gapo.study.tables import write
 
-    assert "## Missing" not in write(m, tmp_path).read_text()
+    md = write(m, tmp_path).read_text()
+    assert "## Missing" not in md and (tmp_path / "fig7_intervention" / "compare" / "branch.png").is_file()
 
 
 def test_fig6_holds_rollouts_and_updates_per_step_fixed_across_k():
@@ -129,6 +130,45 @@ def test_fig6_holds_rollouts_and_updates_per_step_fixed_across_k():
         shapes[cfg.rollout.group_size] = (rollouts, updates)
     assert sorted(shapes) == [4, 8, 16]
     assert len(set(shapes.values())) == 1 and next(iter(shapes.values()))[1] >= 2, shapes
+
+
+def test_fig6_is_drawn_against_k_from_the_evaluations(tmp_path):
+    from gapo.study.tables import fig_vs_group_size, results
+
+    m = load_manifest("fig6_group_size")
+    js = jobs(m, tmp_path)
+    for j in js:
+        d = j.out / "eval" / m.protocol_name / "step_001000"
+        d.mkdir(parents=True)
+        v = 0.3 + 0.01 * j.seed + (0.05 if j.run.name.startswith("gapo") else 0.0)
+        (d / "results.json").write_text(json.dumps({"meta": {}, "metrics": {"val/mean/pass@1": v}}))
+    fig = fig_vs_group_size(m, js, results(m, js))
+    lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
+    assert sorted(lines) == ["GAPO", "GSPO"]
+    assert list(lines["GAPO"].get_xdata()) == [4, 8, 16]
+    assert list(lines["GAPO"].get_ydata()) == pytest.approx([0.36] * 3)  # the mean over seeds 0, 1, 2
+
+
+def test_the_base_row_is_one_evaluation_of_the_configs_model():
+    """Tables 1 and 2's Base column: the config's model before training, once (no seeds), under the protocol."""
+    from gapo.study.sweep import base_results, eval_commands
+
+    m = load_manifest("table1_r1")
+    js = jobs(m)
+    base = [c for c in eval_commands(m, js) if "--model" in c]
+    assert len(base) == 1
+    cmd = base[0]
+    model = load_config(m.config).model
+    assert cmd[cmd.index("--model") + 1] == model.path and cmd[cmd.index("--protocol") + 1] == m.eval.protocol
+    assert cmd[cmd.index("--dtype") + 1] == model.dtype and cmd[cmd.index("--out") + 1] == str(base_results(m, js))
+
+
+def test_an_unnamed_output_directory_comes_from_the_config_the_method_and_the_seed():
+    dirs = {load_config("qwen_math", args).trainer.output_dir for args in (
+        [], ["trainer.seed=1"], ["algorithm.name=gspo"], ["algorithm.name=gspo", "trainer.seed=1"],
+        ["algorithm.name=gspo", "algorithm.eps_hi=5e-3"])}
+    assert dirs == {"runs/qwen_math/gapo/seed0", "runs/qwen_math/gapo/seed1", "runs/qwen_math/gspo/seed0",
+                    "runs/qwen_math/gspo/seed1", "runs/qwen_math/gspo-eps_hi5e-3/seed0"}
 
 
 def test_slurm_scripts_parse_and_branches_wait_for_their_parents(tmp_path):
