@@ -83,8 +83,8 @@ LOGPROB_ROWS = 64
 VLLM_RESERVE = 2 * GiB
 
 # CUDA context and cuBLAS workspaces (about 1 GiB for torch and vLLM in one process), NCCL communicators
-# (DeepSpeed's and vLLM's), ZeRO-3 working buffers (gathered layers and prefetch, the reduce bucket of up to
-# 5e8 elements) and allocator slack. An allowance, not a measurement.
+# (DeepSpeed's and vLLM's), ZeRO-3's gathered layers and prefetch, and allocator slack (the reduce bucket and the
+# optimizer step's buffers are a term of their own: zero_buffer_bytes). An allowance, not a measurement.
 OVERHEAD = 3 * GiB
 
 # ZeRO's gradient reduce bucket, in elements: set explicitly in the actor's DeepSpeed config (its default is 5e8,
