@@ -1,7 +1,10 @@
-"""Run under torchrun by test_actor.py: ZeRO-3's prefetch trace over training forwards + backwards whose
-micro-batches hold different numbers of response tokens (across logit-chunk boundaries). DeepSpeed invalidates
-its module trace, and checks module orders across ranks again, whenever a forward calls modules in another
-sequence; with a chunk count fixed for the run it must settle. Writes one JSON per rank."""
+"""Run under torchrun by test_actor.py: ZeRO-3's prefetch trace over steps as the loop runs them, a no-grad
+old-log-prob pass over two micro-batches, then their forwards + backwards, the micro-batches holding different
+numbers of response tokens (across logit-chunk boundaries) from step to step. DeepSpeed invalidates its module
+trace, and checks module orders across ranks again, whenever a forward calls modules in another sequence; with a
+chunk count fixed for the run it must settle. (A forward-only pass follows a prefix of the forward + backward
+trace, so it keeps a settled trace; only a step of one micro-batch per pass, alternating the two, never settles.)
+Writes one JSON per rank."""
 
 import json
 import sys
@@ -37,11 +40,19 @@ def main(out_path: str) -> None:
     g = torch.Generator().manual_seed(rank)
     for step in range(8):
         new = 12 if step % 2 else 4  # alternately 3 and 1 chunks' worth of response tokens
-        mb = MicroBatch.pack([torch.randint(3, 300, (5,), generator=g).tolist() for _ in range(2)],
-                             [torch.randint(3, 300, (new,), generator=g).tolist() for _ in range(2)], 0)
-        actor.engine.set_gradient_accumulation_boundary(True)
-        lp, _ = actor.engine(mb, 1.0)
-        actor.backward(-(lp * mb.resp_mask).sum() / 24.0)
+        mbs = [MicroBatch.pack([torch.randint(3, 300, (5,), generator=g).tolist() for _ in range(2)],
+                               [torch.randint(3, 300, (new,), generator=g).tolist() for _ in range(2)], 0)
+               for _ in range(2)]
+        # As the loop runs a step: the old-log-prob pass over its micro-batches (no grad, forwards only, a prefix of
+        # the trace), then the updates (forward + backward).
+        actor.engine.train()
+        with torch.no_grad():
+            for mb in mbs:
+                actor.engine(mb, 1.0, entropy=True)
+        for i, mb in enumerate(mbs):
+            actor.engine.set_gradient_accumulation_boundary(i == len(mbs) - 1)
+            lp, _ = actor.engine(mb, 1.0)
+            actor.backward(-(lp * mb.resp_mask).sum() / 24.0)
     with open(f"{out_path}.{rank}", "w") as f:
         json.dump({"invalidations": invalidations, "chunks": actor.engine.module.n_chunks}, f)
 
