@@ -222,3 +222,14 @@ def test_paper_configs_carry_the_paper_values():
     assert (gi.algorithm.name, gi.algorithm.eps_hi) == ("gspo", 5e-3)
     branched = load_config(ROOT / "configs/gspo_intervention.yaml", ["algorithm.name=gapo"]).algorithm
     assert (branched.clip, branched.eps_lo, branched.eps_hi_max) == ("adaptive", 3e-3, 5e-3)
+
+
+@pytest.mark.parametrize("name, words", [
+    ("gapo", "adaptive clip 1 - 3e-3 .. 1 + eps_hi(c), eps_hi from 5e-3 (c = 1) to 3e-3 (c = k-1)"),
+    ("gspo", "fixed clip 1 - 3e-3 .. 1 + 3e-3"),
+    ("dapo", "fixed clip 1 - 0.2 .. 1 + 0.28"),
+    ("cispo", "CISPO weight clipped to [1 - 1, 1 + 4]"),
+])
+def test_one_description_of_each_clip_rule_for_every_display(name, words):
+    """The console header, the rehearsal report and gapo-plot all show the rule through describe()."""
+    assert resolve({"algorithm": {"name": name}}).algorithm.describe() == words

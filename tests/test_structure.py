@@ -159,3 +159,16 @@ def test_engines_satisfy_the_engine_protocol(module, cls):
     for name in wanted:
         assert list(inspect.signature(getattr(engine, name)).parameters) == \
             list(inspect.signature(getattr(Engine, name)).parameters), f"{cls}.{name}"
+
+
+def test_an_unmarked_test_cannot_start_the_real_stack():
+    """The tier guard (tests/conftest.py): this test has no marker, so each launch is refused before it starts,
+    naming the marker it needs; a command that only reads configs passes."""
+    import subprocess
+
+    with pytest.raises(pytest.fail.Exception, match=r"starts gapo.cli but is not marked @pytest.mark.e2e"):
+        subprocess.Popen([sys.executable, "-m", "gapo.cli", "--config", "tiny_cpu"])
+    with pytest.raises(pytest.fail.Exception, match=r"starts torch.distributed.run but is not marked .*mark.dist"):
+        subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "x.py"])
+    r = subprocess.run([sys.executable, "-m", "gapo.cli", "--config", "tiny_cpu", "--help"], capture_output=True)
+    assert r.returncode == 0
