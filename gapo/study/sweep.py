@@ -157,7 +157,7 @@ class Job:
 
     def own_steps(self, steps: list[int]) -> list[int]:
         """Of the manifest's evaluated steps, those this run has a checkpoint of: a branch starts after its
-        branch point, and its steps up to there are its parent's (the same weights: see results_of)."""
+        branch point, and its steps up to there are its parent's (the same weights: gapo.study.tables.results)."""
         return [s for s in steps if self.parent is None or s > self.run.branch.step]
 
     def command(self, nproc: int, *, rehearse: bool = False, resume: Path | None = None) -> list[str]:
@@ -273,14 +273,14 @@ def eval_commands(m: Manifest, js: list[Job], together: bool = False) -> list[li
                 *(["--limit", str(p.limit)] if p.limit else []), "--name", p.name]
     else:
         spec = ["--protocol", p]
-    by_steps: dict[tuple[int, ...], list[Job]] = {}  # runs with the same steps share a command (and an engine)
-    for j in js:
-        if j.own_steps(m.eval.steps):
-            by_steps.setdefault(tuple(j.own_steps(m.eval.steps)), []).append(j)
-    groups = [(steps, g) for steps, g in by_steps.items()] if together else \
-        [(tuple(j.own_steps(m.eval.steps)), [j]) for j in js if j.own_steps(m.eval.steps)]
+    own = [(tuple(j.own_steps(m.eval.steps)), j) for j in js]
+    groups: dict[tuple[int, ...], list[Job]] = {}  # together: runs with the same steps share a command (an engine)
+    for steps, j in own:
+        if steps:
+            groups.setdefault(steps, []).append(j)
+    pairs = list(groups.items()) if together else [(steps, [j]) for steps, j in own if steps]
     cmds = [["gapo-eval", "--run", *(str(j.out) for j in g), "--steps", ",".join(map(str, steps)), *spec,
-             "--compile", m.eval.compile] for steps, g in groups]
+             "--compile", m.eval.compile] for steps, g in pairs]
     if m.base:
         model = load_config(m.config).model
         cmds.append(["gapo-eval", "--model", model.path, *spec, "--dtype", model.dtype, "--compile", m.eval.compile,

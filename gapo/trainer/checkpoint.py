@@ -63,7 +63,6 @@ class TrainerState:
     manifested: bool = False  # written with manifest.json (save sets it): then a missing manifest is damage
 
 
-
 def _fsync_tree(root: Path) -> None:
     for path in sorted(root.rglob("*")):
         if path.is_file():
