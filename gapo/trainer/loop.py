@@ -251,8 +251,10 @@ def train(cfg: Config) -> Path:
             # step's state is saved, with the sampler and RNG from before this step.
             s.sampler.load_state_dict(before[0])
             checkpoint.set_rng_state(before[1])
-            if not (step == s.first_step and s.loaded is not None and s.loaded.parent == run_dir / rundir.CHECKPOINTS):
-                save(step - 1)  # (else that state is the checkpoint this run loaded: rewriting would first remove it)
+            reloaded = step == s.first_step and s.loaded is not None and \
+                s.loaded.parent.resolve() == (run_dir / rundir.CHECKPOINTS).resolve()
+            if not reloaded:  # (else that state is the checkpoint this run loaded: rewriting would first remove it)
+                save(step - 1)
             raise Preempted(f"preempted {since:.0f} s ago: step {step} abandoned (it would end past "
                             f"trainer.preempt_deadline_s={t.preempt_deadline_s:g}), step {step - 1} saved in "
                             f"{run_dir / rundir.CHECKPOINTS}; `--resume auto` goes on from there")
