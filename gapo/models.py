@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import logging
+import multiprocessing
 import os
 import shutil
 import tempfile
@@ -134,8 +135,12 @@ def _atomic_build(target: Path, build) -> None:
     """Build into a temporary directory next to `target` and rename it into place, holding a lock on
     `target` meanwhile: a process that finds the lock taken waits, then sees the finished model and returns.
     The build's seeds stay inside it: a run must draw the same random numbers whether or not it had to
-    build its model first."""
+    build its model first.
+
+    In a rank of a process group the build runs in a fresh process: transformers 5 writes `save_pretrained`
+    only on torch.distributed's rank 0, so a model built by rank 1 would come out as its tokenizer alone."""
     import torch
+    import torch.distributed as dist
     from filelock import FileLock
 
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -148,8 +153,17 @@ def _atomic_build(target: Path, build) -> None:
         log.info("building %s (once; other processes wait for it)", target)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
         try:
-            with torch.random.fork_rng(devices=[]):
-                build(tmp)
+            if dist.is_available() and dist.is_initialized():
+                child = multiprocessing.get_context("spawn").Process(target=build, args=(tmp,))
+                child.start()
+                child.join()
+                if child.exitcode:
+                    raise RuntimeError(f"building {target.name} failed in its own process (exit {child.exitcode})")
+            else:
+                with torch.random.fork_rng(devices=[]):
+                    build(tmp)
+            if not (tmp / "config.json").is_file():
+                raise RuntimeError(f"building {target.name} wrote no config.json")
             tmp.chmod(0o755)
             os.replace(tmp, target)
         finally:

@@ -259,6 +259,15 @@ def concurrent_build(tmp_path_factory):
     return cache, results
 
 
+@pytest.mark.dist
+def test_a_model_built_inside_rank_1_of_a_process_group_is_whole(torchrun, tmp_path):
+    """The ranks of a run build a built-in model on first use, whichever gets there first; transformers 5 saves
+    models only on rank 0 of an initialised process group, so rank 1's build must not run inside its rank."""
+    rank0, rank1 = torchrun("dist_build_check.py", str(tmp_path / "cache"), nproc=2, timeout=300)
+    assert rank0["files"] == []
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(rank1["files"]), rank1
+
+
 @pytest.mark.e2e
 def test_two_processes_build_a_builtin_model_once(concurrent_build):
     cache, results = concurrent_build
