@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from gapo.config import resolve
-from gapo.distributed import init_distributed
+from gapo.distributed import init_distributed, leave_distributed
 from gapo.models import resolve_model
 from gapo.trainer.actor import Actor
 from gapo.trainer.logprobs import MicroBatch
@@ -74,3 +74,4 @@ def main(out_path: str, dtype: str, stage: int) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    leave_distributed()

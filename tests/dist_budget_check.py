@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from gapo.config import resolve
-from gapo.distributed import init_distributed
+from gapo.distributed import init_distributed, leave_distributed
 from gapo.models import resolve_model
 from gapo.trainer.actor import Actor
 from gapo.trainer.logprobs import MicroBatch, micro_batch_rows, response_logprobs
@@ -63,3 +63,4 @@ def main(out_path: str, stage: int) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], int(sys.argv[2]))
+    leave_distributed()

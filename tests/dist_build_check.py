@@ -8,7 +8,7 @@ import sys
 
 import torch.distributed as dist
 
-from gapo.distributed import init_distributed
+from gapo.distributed import init_distributed, leave_distributed
 from gapo.models import resolve_model
 
 
@@ -23,3 +23,4 @@ def main(out_path: str, cache: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    leave_distributed()

@@ -9,7 +9,7 @@ from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedPara
 
 import gapo.trainer.logprobs as logprobs_module
 from gapo.config import resolve
-from gapo.distributed import init_distributed
+from gapo.distributed import init_distributed, leave_distributed
 from gapo.models import resolve_model
 from gapo.trainer.actor import Actor
 from gapo.trainer.logprobs import MicroBatch
@@ -45,3 +45,4 @@ def main(out_path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    leave_distributed()

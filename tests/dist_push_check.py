@@ -9,7 +9,7 @@ import torch
 import gapo.trainer.logprobs as logprobs_mod
 from gapo.config import resolve
 from gapo.data import arithmetic_problems, build_prompt_ids
-from gapo.distributed import init_distributed
+from gapo.distributed import init_distributed, leave_distributed
 from gapo.models import resolve_model
 from gapo.rollout.hf_engine import HFEngine
 from gapo.rollout.vllm_engine import VLLMEngine
@@ -71,3 +71,4 @@ def main(out_path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    leave_distributed()

@@ -19,7 +19,7 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_st
 from transformers import AutoTokenizer
 
 from gapo.config import resolve
-from gapo.distributed import init_distributed
+from gapo.distributed import init_distributed, leave_distributed
 from gapo.models import resolve_model
 from gapo.trainer import checkpoint
 from gapo.trainer.actor import Actor
@@ -87,3 +87,4 @@ def main(out: str, phase: str, root: str, dtype: str, saved: int | None = None) 
 
 if __name__ == "__main__":
     main(*sys.argv[1:5], *(int(x) for x in sys.argv[5:]))
+    leave_distributed()

@@ -9,7 +9,7 @@ import sys
 import torch
 
 from gapo.config import resolve
-from gapo.distributed import init_distributed
+from gapo.distributed import init_distributed, leave_distributed
 from gapo.models import resolve_model
 from gapo.rollout.types import Rollout
 from gapo.trainer.actor import Actor
@@ -46,3 +46,4 @@ def main(out_path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    leave_distributed()

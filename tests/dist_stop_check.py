@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 
 from gapo.config import MATH_INSTRUCTION
 from gapo.data import arithmetic_problems, build_prompt_ids, stop_token_ids
-from gapo.distributed import init_distributed
+from gapo.distributed import init_distributed, leave_distributed
 from gapo.rollout.types import SamplingConfig
 from gapo.rollout.vllm_engine import VLLMEngine
 
@@ -31,3 +31,4 @@ def main(out_path: str, model_dir: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    leave_distributed()

@@ -487,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from transformers import AutoTokenizer
 
-    from gapo.distributed import init_distributed
+    from gapo.distributed import init_distributed, leave_distributed
     from gapo.rollout.engine import build_engine
 
     init_distributed()
@@ -505,6 +505,7 @@ def main(argv: list[str] | None = None) -> int:
         if out is not None:
             write_results(results, out, {**vars(args), "model": str(hf), "settings": settings(args)})
             print(f"wrote {out}/results.json and per_problem.jsonl")
+    leave_distributed()
     return 0
 
 
