@@ -135,5 +135,10 @@ def _rehearse(cfg, nproc: int, verbose: bool) -> int:
     return code or (0 if ok else 1)
 
 
-if __name__ == "__main__":
-    sys.exit(train_main())
+if __name__ == "__main__":  # a rank under torchrun (gapo.launch), or a rehearsal's run
+    code = train_main()
+    if code == 0:  # the process ends here; train() leaves the group up for callers that go on (bench/gpu/check.py)
+        from gapo.distributed import leave_distributed
+
+        leave_distributed()
+    sys.exit(code)

@@ -30,7 +30,7 @@ from tqdm import tqdm
 from gapo import console, rundir
 from gapo.config import Config, ConfigError
 from gapo.data import Problem, Sampler, stop_token_ids, tokenize_problems
-from gapo.distributed import gather, init_distributed, leave_distributed
+from gapo.distributed import gather, init_distributed
 from gapo.memory import plan_text
 from gapo.models import check_context_budget, resolve_model
 from gapo.reward.registry import check_rewards, score_groups, training_set
@@ -324,7 +324,7 @@ def train(cfg: Config) -> Path:
             console.say(f"held-out pass@1: {m0['val/mean/pass@1']:.3f} at step {s0} -> {m1['val/mean/pass@1']:.3f} "
                         f"at step {s1}  ({', '.join(b.name for b in s.benches)}; n={ev.n})")
         tracker.finish()
-    leave_distributed()
+    dist.barrier()
     return run_dir
 
 
