@@ -45,8 +45,10 @@ def leave_distributed() -> None:
 
     Left to interpreter exit, gloo's worker threads can be destroyed while still joinable, and the rank aborts
     with "terminate called without an active exception" (exit -6) after its work is done (two 2-rank tests of
-    one full suite did, on CPU); NCCL likewise asks for an explicit destroy on a normal exit. Runs that fail
-    take no part: a peer may be gone, and the barrier would wait for it."""
+    one full suite did, on CPU); NCCL likewise asks for an explicit destroy on a normal exit. Called where a
+    process ends, never inside train(): a caller that goes on in the same process (bench/gpu/check.py) would
+    meet DeepSpeed's cached handles to the destroyed groups. Runs that fail take no part: a peer may be gone,
+    and the barrier would wait for it."""
     import torch.distributed as dist
 
     if dist.is_initialized():
