@@ -88,38 +88,37 @@ def clip_cs(runs: list[Run]) -> list[int]:
 def fig_clip_by_c(runs: list[Run], smooth: int = 1) -> Figure:
     """Fig. 3: one panel per c on a shared y axis, so both "GAPO vs fixed at a given c" (within a panel)
     and "low c vs high c" (across panels) can be read off directly."""
-    cs = clip_cs(runs) or [1]
-    fig, axes = grid(len(cs), 4, (3.6, 2.8), sharey=True)
     k = max((r.group_size for r in runs if r.group_size), default=None)
-    for ax, c in zip(axes, cs, strict=True):
-        for i, r in enumerate(runs):
-            plot_series(ax, r.get(f"clip_frac/c{c}"), r.label, i, smooth)
-        hint = " (scarcest correct)" if c == 1 else " (most abundant)" if k and c == k - 1 else ""
-        ax.set_title(f"c = {c}{hint}", fontsize=10)
-        if ax.get_subplotspec().is_first_col():
-            ax.set_ylabel("clip fraction")
-        if not any(r.get(f"clip_frac/c{c}") for r in runs):
-            no_data(ax, f"clip_frac/c{c}")
-    return finish(fig, runs, "Clip fraction of correct rollouts by group success count c, off-policy updates "
-                   "(paper Fig. 3)", smooth)
+    return _panels_by_c(runs, clip_cs(runs) or [1], "clip_frac", "clip fraction", smooth,
+                        "Clip fraction of correct rollouts by group success count c, off-policy updates (paper Fig. 3)",
+                        hint=lambda c: " (scarcest correct)" if c == 1 else " (most abundant)" if k and c == k - 1
+                        else "")
 
 
 def fig_is_ratio_by_c(runs: list[Run], smooth: int = 1) -> Figure:
     """Fig. 1: the mean sequence IS ratio of the correct rollouts of groups with c correct, per c over steps:
     before clipping sets in, scarce correct rollouts (low c, large advantage) move their ratio furthest."""
     cs = sorted({int(k.split("/c")[1]) for r in runs for k in r.series if re.match(r"^is_ratio/c\d+$", k)}) or [1]
+    return _panels_by_c(runs, cs, "is_ratio", "mean IS ratio, correct rollouts", smooth,
+                        "IS ratio of correct rollouts by group success count c, off-policy updates (paper Fig. 1)",
+                        ref=1.0)
+
+
+def _panels_by_c(runs: list[Run], cs: list[int], metric: str, ylabel: str, smooth: int, title: str,
+                 ref: float | None = None, hint: Callable[[int], str] = lambda c: "") -> Figure:
+    """Figs. 1 and 3: `metric`/c{c} over steps, one panel per c on a shared y axis."""
     fig, axes = grid(len(cs), 4, (3.6, 2.8), sharey=True)
     for ax, c in zip(axes, cs, strict=True):
-        ax.axhline(1.0, color="0.6", linewidth=0.8, label=f"{REF_PREFIX}ratio 1")
+        if ref is not None:
+            ax.axhline(ref, color="0.6", linewidth=0.8, label=f"{REF_PREFIX}ratio {ref:g}")
         for i, r in enumerate(runs):
-            plot_series(ax, r.get(f"is_ratio/c{c}"), r.label, i, smooth)
-        ax.set_title(f"c = {c}", fontsize=10)
+            plot_series(ax, r.get(f"{metric}/c{c}"), r.label, i, smooth)
+        ax.set_title(f"c = {c}{hint(c)}", fontsize=10)
         if ax.get_subplotspec().is_first_col():
-            ax.set_ylabel("mean IS ratio, correct rollouts")
-        if not any(r.get(f"is_ratio/c{c}") for r in runs):
-            no_data(ax, f"is_ratio/c{c}")
-    return finish(fig, runs, "IS ratio of correct rollouts by group success count c, off-policy updates "
-                  "(paper Fig. 1)", smooth)
+            ax.set_ylabel(ylabel)
+        if not any(r.get(f"{metric}/c{c}") for r in runs):
+            no_data(ax, f"{metric}/c{c}")
+    return finish(fig, runs, title, smooth)
 
 
 def fig_clip_vs_c(runs: list[Run], window: Window = ALL_STEPS) -> Figure | None:
