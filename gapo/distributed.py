@@ -28,7 +28,13 @@ def init_distributed(timeout_min: float = 60.0) -> tuple[int, int]:
     import torch
     import torch.distributed as dist
 
-    if not torch.cuda.is_available():
+    if torch.cuda.is_available():
+        # Before anything touches a GPU: DeepSpeed binds the NCCL group to cuda:LOCAL_RANK, but an object collective
+        # (all_gather_object, the first one a run makes) stages its tensor on the *current* device, cuda:0 unless
+        # set, and NCCL refuses a tensor on another device than the group's: ranks 1.. would fail at their first
+        # collective. One GPU cannot show it (GPU only; unverified here, bench/gpu/check.sh's 2-GPU row).
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    else:
         # DeepSpeed JIT-compiles a shared-memory all-reduce for CPU *inference* on every fresh machine (~66 s);
         # training never uses it, and without it DeepSpeed falls back to torch.distributed.
         # (importlib: the attribute deepspeed.comm.torch is the torch module, re-exported.)

@@ -168,8 +168,9 @@ class MemoryPlan:
     activations: int
     attention_mask: int
     logits: int
-    zero_buffers: int  # the reduce bucket, and at each optimizer step a flat fp32 copy of the rank's gradients and
-    # the optimizer's temporary of the same size (ZeRO-2/3 on several ranks; 0 otherwise)
+    reduce_bucket: int  # ZeRO's gradient reduce bucket: allocated once and held for the whole run, both phases
+    zero_buffers: int  # at each optimizer step a flat fp32 copy of the rank's gradients and the optimizer's
+    # temporary of the same size (ZeRO-2/3 on several ranks; 0 otherwise)
     overhead: int = OVERHEAD
 
     @property
@@ -178,16 +179,16 @@ class MemoryPlan:
 
     @property
     def generation(self) -> int:
-        """vLLM generating while the trainer's states stay resident."""
-        return self.vllm_total + self.trainer_states + self.overhead
+        """vLLM generating while the trainer's states and DeepSpeed's persistent reduce bucket stay resident."""
+        return self.vllm_total + self.trainer_states + self.reduce_bucket + self.overhead
 
     @property
     def training(self) -> int:
         """The actor's update; vLLM's share stays unless it sleeps. Asleep, its weights and KV cache are
         freed and its reserve was only a profile-time peak in the same process's allocator."""
         vllm = 0 if self.sleep else self.vllm_total
-        return (vllm + self.trainer_states + self.activations + self.attention_mask + self.logits + self.zero_buffers
-                + self.overhead)
+        return (vllm + self.trainer_states + self.activations + self.attention_mask + self.logits + self.reduce_bucket
+                + self.zero_buffers + self.overhead)
 
     @property
     def total(self) -> int:
@@ -236,16 +237,16 @@ def memory_plan(cfg: Config, facts: dict, world: int, device_gb: float = 80.0) -
         + (math.ceil(weights / (world if cfg.trainer.zero_stage == 3 else 1)) if cfg.algorithm.kl_coef > 0 else 0),
         activations=activations, attention_mask=mask,
         logits=LOGIT_CHUNK * vocab * b + vocab * facts["hidden_size"] * b,
-        zero_buffers=zero_buffer_bytes(params, cfg.zero_stage(world), world))
+        **zero_buffer_bytes(params, cfg.zero_stage(world), world))
 
 
-def zero_buffer_bytes(params: int, zero_stage: int, world: int) -> int:
-    """The reduce bucket (REDUCE_BUCKET fp32 elements, or all the gradients if fewer) plus, per optimizer step, the
+def zero_buffer_bytes(params: int, zero_stage: int, world: int) -> dict[str, int]:
+    """reduce_bucket: REDUCE_BUCKET fp32 elements (or all the gradients if fewer), which DeepSpeed allocates when
+    the engine is built and keeps, so it is there while vLLM generates too; zero_buffers: per optimizer step, the
     flattened fp32 gradient partition and the fused AdamW's temporary of the same size."""
     if world == 1 or zero_stage < 2:
-        return 0
-    partition = math.ceil(params / world) * 4
-    return min(REDUCE_BUCKET, params) * 4 + 2 * partition
+        return {"reduce_bucket": 0, "zero_buffers": 0}
+    return {"reduce_bucket": min(REDUCE_BUCKET, params) * 4, "zero_buffers": 2 * math.ceil(params / world) * 4}
 
 
 def format_plan(plan: MemoryPlan, device_gb: float) -> str:
@@ -265,7 +266,8 @@ def format_plan(plan: MemoryPlan, device_gb: float) -> str:
         ("activations", plan.activations, f"{plan.micro_batch_tokens:,} tokens per micro-batch"),
         ("padding mask", plan.attention_mask, ""),
         ("logits chunk + head grad", plan.logits, ""),
-        ("ZeRO reduce bucket + step buffers", plan.zero_buffers, ""),
+        ("ZeRO reduce bucket (held)", plan.reduce_bucket, ""),
+        ("ZeRO step buffers", plan.zero_buffers, ""),
         ("CUDA / NCCL / ZeRO overhead", plan.overhead, ""),
     ]
     lines = [f"  {name:<32}{gb(x)}  {note}".rstrip() for name, x, note in rows]

@@ -332,3 +332,84 @@ def test_collectives_time_out_as_configured_and_unshared_run_dirs_are_refused(to
     assert all("rank(s) 1 cannot see a file rank 0 wrote there" in r["unshared"] for r in res), res
     assert res[0]["probe_left"] == [] and res[1]["probe_left"] == []
     assert res[0]["late_barrier"] != "returned" and res[0]["waited_s"] < 7, res[0]
+
+
+# ------------------------------------------------------------------------------------ NCCL start, N -> 1 reshard
+def test_each_rank_binds_its_gpu_before_the_process_group_exists(monkeypatch):
+    """All_gather_object stages its tensor on the current CUDA device: unless LOCAL_RANK's device is current before
+    the first collective, ranks 1.. hand NCCL a cuda:0 tensor for a group bound to cuda:LOCAL_RANK."""
+    import deepspeed
+
+    from gapo import distributed
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", d)))
+    monkeypatch.setattr(deepspeed, "init_distributed", lambda **kw: calls.append(("init", kw["dist_backend"])))
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 3)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 4)
+    for key, value in {"RANK": "3", "LOCAL_RANK": "3", "WORLD_SIZE": "4"}.items():
+        monkeypatch.setenv(key, value)
+    assert distributed.init_distributed() == (3, 4)
+    assert calls == [("set_device", 3), ("init", "nccl")]
+
+
+def test_a_reshard_onto_one_rank_places_adams_moments_with_their_parameters(tmp_path):
+    """N -> 1: the universal layout is read to the CPU; every optimizer tensor must end on its parameter's device
+    (cuda:0 on a GPU, where AdamW refuses a CPU moment at its first step). The meta device stands in for the GPU."""
+    model = torch.nn.Linear(3, 2, device="meta")
+    zero = tmp_path / "zero"
+    for name, p in model.named_parameters():
+        (zero / name).mkdir(parents=True)
+        for key in ["fp32", "exp_avg", "exp_avg_sq"]:  # stage 3 writes them flat
+            torch.save(torch.ones(p.numel()), zero / name / f"{key}.pt")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    torch.save({"optimizer_state_dict": {"state": {0: {"step": 5}}, "param_groups": [{"lr": 2e-3, "params": [0]}]}},
+               zero / "optimizer_state.pt")
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    torch.save({"lr_scheduler": scheduler.state_dict(), "global_steps": 5, "global_samples": 40, "skipped_steps": 0},
+               tmp_path / "mp_rank_00_model_states.pt")
+    engine = types.SimpleNamespace(module=model, optimizer=optimizer)
+    checkpoint._universal_to_stage0(types.SimpleNamespace(engine=engine, scheduler=scheduler), tmp_path)
+    for p in model.parameters():
+        state = optimizer.state[p]
+        assert state["exp_avg"].device == state["exp_avg_sq"].device == p.device == torch.device("meta")
+        assert state["exp_avg"].shape == p.shape
+    assert engine.global_steps == 5 and optimizer.param_groups[0]["lr"] == 2e-3
+
+
+# ------------------------------------------------------------------------------------ GQA through the pinned kernel
+@pytest.mark.parametrize("share", [False, True])
+def test_an_unpadded_gqa_micro_batch_reaches_sdpa_with_every_head(monkeypatch, share):
+    """CUDA's memory-efficient kernel (pinned for both passes) has no GQA: SDPA must get K/V repeated to the query
+    heads and no enable_gqa, also when a micro-batch has no padding and transformers drops its mask. The actor's
+    attention function is the one the GPU runs; the log-probs equal transformers' own SDPA attention."""
+    from transformers import AutoModelForCausalLM
+
+    from gapo.models import resolve_model
+    from gapo.trainer.actor import Policy, register_attention
+    from gapo.trainer.logprobs import MicroBatch
+
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(query, key, value, **kwargs):
+        calls.append((query.shape[1], key.shape[1], value.shape[1], kwargs.get("enable_gqa", False)))
+        return sdpa(query, key, value, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    path = resolve_model("tiny-qwen2")  # 4 query heads, 2 KV heads
+    ours = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, attn_implementation=register_attention())
+    stock = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, attn_implementation="sdpa")
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, 300, (6,), generator=g).tolist()
+    mb = MicroBatch.pack([prompt, prompt], [torch.randint(3, 300, (5,), generator=g).tolist() for _ in range(2)],
+                         pad_id=0, share_prompts=share)
+    assert bool(mb.attention_mask.all())  # no padding: the case that failed on CUDA
+    with torch.no_grad():
+        got, _ = Policy(ours)(mb, 0.8)
+        assert calls and all(q == k == v and not gqa for q, k, v, gqa in calls), calls
+        calls.clear()
+        want, _ = Policy(stock)(mb, 0.8)
+    assert any(gqa for *_, gqa in calls)  # transformers' own path asks for GQA here: the test sees the case
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)

@@ -51,6 +51,27 @@ class Policy(torch.nn.Module):
                                      entropy=entropy, n_chunks=self.n_chunks)
 
 
+ATTENTION = "gapo_sdpa"  # the actor's attention function, registered with transformers (whole_head_sdpa)
+
+
+def whole_head_sdpa(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                    attention_mask: Tensor | None, **kwargs) -> tuple[Tensor, None]:
+    """transformers' SDPA attention with K/V always repeated to every query head.
+
+    Left to itself, transformers calls SDPA with `enable_gqa=True` and unrepeated K/V whenever a micro-batch has no
+    padding (the mask is dropped); the memory-efficient kernel pinned below has no GQA support, so CUDA raised "No
+    available kernel" for Qwen2.5 (12 query, 2 KV heads) on every unpadded micro-batch. Repeated K/V is what a padded
+    micro-batch gets anyway, and what the memory plan counts. query [B, Hq, S, D]; key, value [B, Hkv, S', D]."""
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    # What sdpa_attention_forward reads of the module, with the groups already expanded: it then never asks for GQA.
+    heads = types.SimpleNamespace(num_key_value_groups=1, is_causal=getattr(module, "is_causal", True),
+                                  layer_idx=getattr(module, "layer_idx", None))
+    return sdpa_attention_forward(heads, query, repeat_kv(key, groups), repeat_kv(value, groups), attention_mask,
+                                  **kwargs)
+
+
 def attention_backend():
     """One SDPA kernel for the old-log-prob pass (no grad) and the update (grad): on CUDA, torch picks per call
     among flash, memory-efficient, cuDNN and math kernels, and may pick differently with and without autograd
@@ -63,6 +84,18 @@ def attention_backend():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION])
+
+
+def register_attention() -> str:
+    """Make whole_head_sdpa known to transformers (idempotent) and return its name, for from_pretrained. Its masks
+    are SDPA's: transformers picks the mask builder by the same name, and a name it does not know gets no mask at
+    all (the shared-prompt suffix pass then attended to the wrong keys)."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    AttentionInterface.register(ATTENTION, whole_head_sdpa)
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+    return ATTENTION
 
 
 def logit_chunks(cfg: Config) -> int:
@@ -128,7 +161,8 @@ class Actor:
         # would reach the engine's logits too. Restored once the weights are partitioned.
         linear = torch.nn.functional.linear
         hf_ds = HfDeepSpeedConfig(ds_config) if self.zero_stage == 3 else None
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if bf16 else torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if bf16 else torch.float32,
+                                                     attn_implementation=register_attention())
         del hf_ds
         torch.nn.functional.linear = linear
         if cfg.model.gradient_checkpointing:
@@ -162,7 +196,8 @@ class Actor:
         if cfg.algorithm.kl_coef > 0:
             # A frozen copy of the initial policy for the optional KL penalty, partitioned like the actor.
             hf_ds = HfDeepSpeedConfig(ds_config) if self.zero_stage == 3 else None
-            ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if bf16 else torch.float32)
+            ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if bf16 else torch.float32,
+                                                       attn_implementation=ATTENTION)
             del hf_ds
             torch.nn.functional.linear = linear
             # Without an optimizer DeepSpeed allows only stage 3 (partitioned) or 0 (a full copy per rank).

@@ -507,9 +507,11 @@ def _stage0_to_universal(src: Path, out: Path, names: list[str]) -> None:
 
 
 def _universal_tensor(path: Path, like: Tensor) -> Tensor:
+    """One tensor of the universal layout shaped, typed and placed like `like`: AdamW refuses moments on another
+    device than their parameter, and files are read to the CPU (on a GPU the parameter is on cuda:LOCAL_RANK)."""
     value = torch.load(path, map_location="cpu", weights_only=False)
     value = value["param"] if isinstance(value, dict) else value  # stages 1-2 write {"param": ...}, stage 3 flat
-    return value.reshape(like.shape).to(like.dtype)
+    return value.reshape(like.shape).to(device=like.device, dtype=like.dtype)
 
 
 def _universal_to_stage0(actor, universal: Path) -> None:
