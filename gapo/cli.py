@@ -84,13 +84,14 @@ def train_main(argv: list[str] | None = None) -> int:
     from gapo.trainer.checkpoint import CheckpointError
     from gapo.trainer.loop import TrainingDiverged, train
     from gapo.trainer.preempt import PREEMPTED, Preempted
+    from gapo.trainer.sync import SyncError
 
     try:
         run_dir = train(cfg)
     except ConfigError as err:  # bad model path, data file or field: a message, not a traceback
         console.error(f"gapo-train: {err}{console.failed_start()}")
         return 2
-    except (TrainingDiverged, RewardsFailed, CheckpointError) as err:
+    except (TrainingDiverged, RewardsFailed, CheckpointError, SyncError) as err:
         console.error(f"gapo-train: {err}{console.failed_start()}")
         return 3
     except Preempted as err:

@@ -265,6 +265,17 @@ class DataConfig(_Section):
         return self
 
 
+class MismatchAlarmConfig(_Section):
+    mode: Literal["warn", "stop", "off"] = Field(
+        "warn", description="What a step whose sampler/trainer log-prob mismatch jumps does: warn, or stop the run.")
+    factor: float = Field(10.0, gt=1.0, description="A jump: logprob_mismatch/kl_k3 above factor x the running median "
+                                                    "of the previous steps' values ...")
+    floor: float | None = Field(None, ge=0.0, description="... and above this absolute value; null: 1e-8 in "
+                                                           "float32 (engine and trainer agree to ~1e-12 there), 1e-3 "
+                                                           "in bfloat16.")
+    warmup: int = Field(3, ge=1, description="Steps of history before the alarm can sound.")
+
+
 class RolloutConfig(_Section):
     engine: Literal["vllm", "hf"] = "vllm"
     group_size: int = Field(8, ge=2)
@@ -293,6 +304,15 @@ class RolloutConfig(_Section):
                            "of the exact value.")
     filter_uniform_groups: bool = False
     mask_truncated: bool = False
+    verify_push: Literal["every", "first", "off"] = Field(
+        "every", description="Check a weight push (gapo/trainer/sync.py): every tensor the trainer has reached the "
+                             "engine and the engine's model has every parameter loaded, and the engine's log-probs of "
+                             "a fixed probe equal the trainer's; after every push, the first only, or never. Every "
+                             "rollout's weight version is checked regardless.")
+    push_tolerance: float | None = Field(
+        None, gt=0.0, description="Largest mean |engine - trainer| log-prob over the probe's tokens that a verified "
+                                  "push may show; null: 1e-4 in float32, 5e-2 in bfloat16.")
+    mismatch_alarm: MismatchAlarmConfig = Field(default_factory=MismatchAlarmConfig)
 
 
 class RewardConfig(_Section):

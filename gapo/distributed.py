@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import os
 import socket
+from collections.abc import Callable
 
 
 def free_port() -> int:
@@ -46,6 +47,17 @@ def init_distributed(timeout_min: float = 60.0) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+_AT_LEAVE: list[Callable[[], None]] = []
+
+
+def at_leave(close: Callable[[], None]) -> None:
+    """Run `close` in leave_distributed(), after the final barrier and before the group is destroyed: a colocated
+    vLLM engine's shutdown destroys its own groups and then the world group; run after us (its finaliser at
+    interpreter exit), it met destroyed groups and printed "Invalid process group specified" tracebacks at the end
+    of every successful multi-rank run."""
+    _AT_LEAVE.append(close)
+
+
 def leave_distributed() -> None:
     """The end of a run that went well: wait for every rank, then take the process group down.
 
@@ -59,7 +71,10 @@ def leave_distributed() -> None:
 
     if dist.is_initialized():
         dist.barrier()
-        dist.destroy_process_group()
+        while _AT_LEAVE:
+            _AT_LEAVE.pop()()
+        if dist.is_initialized():  # (a vLLM engine's shutdown has destroyed it already)
+            dist.destroy_process_group()
 
 
 def gather(obj) -> list:

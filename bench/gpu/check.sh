@@ -11,6 +11,11 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   export PYTHONPATH="/tmp/site:$PYTHONPATH"
 fi
 PY=python3
-if [ -x .venv/bin/python ]; then PY=.venv/bin/python; fi
+# .venv only when its torch sees CUDA: a CPU profile's .venv (make install) on a GPU host would see no device.
+if [ -x .venv/bin/python ] && { [ "${1:-}" = --cpu-smoke ] || .venv/bin/python -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; }; then
+  PY=.venv/bin/python
+elif [ -x .venv/bin/python ]; then
+  echo "check.sh: .venv's torch sees no CUDA device (a CPU profile?); using $(command -v python3)" >&2
+fi
 export OMP_WAIT_POLICY=PASSIVE WANDB_MODE=disabled
 exec "$PY" bench/gpu/check.py "$@"

@@ -87,7 +87,9 @@ def run(cpu_smoke: bool, new_tokens: int, prompts: int, out: Path) -> dict:
     plan = memory_plan(cfg, facts, world=1, device_gb=141.0)
     # The transformers engine holds its own bf16 weights (the plan's vLLM weights) but neither vLLM's reserve nor
     # a preallocated KV cache; its generation cache is transient and not in the plan.
-    predicted = plan.training - plan.vllm_reserve - plan.kv_cache_given
+    # max_memory_allocated sees tensors only: the plan's OVERHEAD allowance (CUDA context, cuBLAS workspaces, NCCL,
+    # allocator slack) is not in it, so it is left out of the figure compared with it (like with like).
+    predicted = plan.training - plan.vllm_reserve - plan.kv_cache_given - plan.overhead
     steps = []
     for x in rows:
         tokens = x["response/len_mean"] * rollouts  # response tokens only (the ~40-token prompts are left out)

@@ -8,7 +8,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from gapo.rollout.types import Rollout, SamplingConfig
+from gapo.rollout.types import PushReceipt, Rollout, SamplingConfig
 
 
 class Engine(Protocol):
@@ -19,8 +19,9 @@ class Engine(Protocol):
         """sampling.n rollouts per prompt; seeds[i] makes prompt i's samples repeatable."""
         ...
 
-    def push_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
-        """Load the trainer's weights (HF names); the next generate() samples from them."""
+    def push_weights(self, weights: Iterable[tuple[str, Tensor]], version: int) -> PushReceipt:
+        """Load the trainer's weights (HF names) of trainer step `version`; the next generate() samples from them
+        and labels its rollouts with that version. Returns what arrived, for gapo.trainer.sync to check."""
         ...
 
     def sleep(self) -> None:

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-from gapo.rollout.types import Rollout, SamplingConfig
+from gapo.rollout.types import PushReceipt, Rollout, SamplingConfig
 
 
 def engine_device() -> torch.device:
@@ -27,6 +27,7 @@ class HFEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(self.device).eval()
         self.params = dict(self.model.named_parameters(remove_duplicate=False))  # tied names too
+        self.version = 0  # the trainer step whose weights it holds (see VLLMEngine)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int]) -> list[list[Rollout]]:
@@ -55,16 +56,20 @@ class HFEngine:
                 end = next((i + 1 for i, t in enumerate(toks) if t in eos), None)
                 toks = toks[:end] if end else toks
                 group.append(Rollout(prompt_ids=list(prompt), response_ids=toks, logprobs=logp[j, :len(toks)].tolist(),
-                                     truncated=end is None,
+                                     truncated=end is None, version=self.version,
                                      text=self.tokenizer.decode(toks, skip_special_tokens=True)))
             groups.append(group)
         return groups
 
     @torch.no_grad()
-    def push_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+    def push_weights(self, weights: Iterable[tuple[str, Tensor]], version: int) -> PushReceipt:
         """copy_ moves each tensor to the engine's device, whichever device the trainer gathered it on."""
+        received = []
         for name, tensor in weights:
             self.params[name].copy_(tensor)
+            received.append(name)
+        self.version = version
+        return PushReceipt(received, sorted(self.params.keys() - set(received)))
 
     def sleep(self) -> None:
         """Sleep mode is vLLM's; the config refuses rollout.sleep_between_steps with this engine."""

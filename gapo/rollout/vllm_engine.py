@@ -20,16 +20,39 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-from gapo.rollout.types import Rollout, SamplingConfig
+from gapo.distributed import at_leave
+from gapo.rollout.types import PushReceipt, Rollout, SamplingConfig
 
 
-def _reload(worker, weights: Iterable[tuple[str, Tensor]]) -> None:
-    """Runs inside the worker (in-process): load HF-named tensors into the engine's model.
+def _reload(worker, weights: Iterable[tuple[str, Tensor]]) -> PushReceipt:
+    """Runs inside the worker (in-process): load HF-named tensors into the engine's model, and say what arrived.
 
-    `reload_weights` is what works on CPU, where linear weights are repacked for oneDNN and
-    `model.load_weights` fails; on GPU it also keeps CUDA graphs valid.
-    """
-    worker.reload_weights(weights_iterator=iter(weights))
+    `reload_weights` is what works on CPU, where linear weights are repacked for oneDNN and `model.load_weights`
+    alone fails; on GPU it also keeps CUDA graphs valid. It only logs the parameters a push left unloaded (vLLM 0.32,
+    model_loader/reload/inplace.py), so the names go back to the trainer: the names the iterator gave up, and the
+    model's parameters missing from what its own `load_weights` (called inside the reload) returns."""
+    model = worker.model_runner.get_model()
+    received: list[str] = []
+    loaded: set[str] = set()
+
+    def tap():
+        for name, tensor in weights:
+            received.append(name)
+            yield name, tensor
+
+    load = model.load_weights
+
+    def recording(ws):
+        names = load(ws)
+        loaded.update(names or ())
+        return names
+
+    model.load_weights = recording  # an instance attribute, over the class's method for this reload only
+    try:
+        worker.reload_weights(weights_iterator=tap())
+    finally:
+        del model.load_weights
+    return PushReceipt(received, sorted({name for name, _ in model.named_parameters()} - loaded))
 
 
 def _release_torch_cache() -> None:
@@ -70,6 +93,9 @@ class VLLMEngine:
                        # asleep, vLLM would keep its CUDA graphs on the GPU: out with the weights (GPU only; unverified)
                        **({"sleep_mode_offload_cudagraph": True} if sleep_mode else {}))
         self.tokenizer = self.llm.get_tokenizer()
+        at_leave(self.llm.llm_engine.engine_core.shutdown)  # before the process group goes (gapo.distributed)
+        self.version = 0  # the trainer step whose weights the engine holds; vLLM stamps it on every output
+        self.llm.llm_engine.set_weight_version("0")
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int]) -> list[list[Rollout]]:
         """k = sampling.n samples per prompt; `seeds` gives each prompt its own stream, so ranks that share
@@ -91,19 +117,31 @@ class VLLMEngine:
                 ids = list(c.token_ids)
                 lps = [c.logprobs[i][t].logprob for i, t in enumerate(ids)]
                 group.append(Rollout(prompt_ids=list(prompt), response_ids=ids, logprobs=lps,
-                                     truncated=c.finish_reason == "length", text=c.text))
+                                     truncated=c.finish_reason == "length", text=c.text,
+                                     version=self._sampled_with(c.weight_versions)))
             groups.append(group)
         return groups
 
-    def push_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+    def _sampled_with(self, spans) -> int:
+        """The one weight version vLLM recorded over a response's tokens. Several would mean weights changed while
+        it was sampled, which a synchronous step never does; none (an empty response) is the engine's current."""
+        versions = {int(span.version) for span in spans or ()}
+        if len(versions) > 1:
+            raise RuntimeError(f"a response was sampled across weight versions {sorted(versions)}: the engine's "
+                               "weights changed during generation")
+        return versions.pop() if versions else self.version
+
+    def push_weights(self, weights: Iterable[tuple[str, Tensor]], version: int) -> PushReceipt:
         """Stream new weights in, then drop cached prompt KV computed with the old ones (a cached prefix
         would otherwise mix two policies in the next step's logprobs). A sleeping engine is woken around the
         push: weights first (their memory must be mapped to be written), the KV cache after, once the
-        pushed tensors are freed."""
+        pushed tensors are freed. `version` labels every output sampled from now on."""
         waking = self.asleep
         if waking:  # GPU only; unverified here (no CUDA vLLM on our machines)
             self._wake("weights")
-        self.llm.collective_rpc(_reload, args=(weights,))
+        [receipt] = self.llm.collective_rpc(_reload, args=(weights,))
+        self.version = version
+        self.llm.llm_engine.set_weight_version(str(version))
         if waking:
             if not self._wake("kv_cache"):
                 raise RuntimeError("vLLM still reports sleeping memory after waking weights and kv_cache; "
@@ -114,6 +152,7 @@ class VLLMEngine:
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM did not reset its prefix cache after the weight push (blocks still in use): "
                                "cached prompt KV of the old weights would leak into the next step")
+        return receipt
 
     def _wake(self, tag: str) -> bool:
         _release_torch_cache()

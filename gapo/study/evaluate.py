@@ -497,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     for i, (out, hf) in enumerate(jobs or [(Path(args.out) if args.out else None, model_dir)]):
         if i:  # the next checkpoint of the run: its weights into the same engine, as training pushes them
-            engine.push_weights(checkpoint_weights(hf))
+            engine.push_weights(checkpoint_weights(hf), version=i)
         results = evaluate(engine, tokenizer, benches, n=args.n, temperature=args.temperature, top_p=args.top_p,
                            max_new_tokens=args.max_new_tokens, instruction=args.instruction,
                            reward=RewardConfig(num_workers=args.workers), seed=args.seed)

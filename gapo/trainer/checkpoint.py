@@ -49,7 +49,7 @@ MAY_CHANGE = ("algorithm.", "trainer.resume_from", "trainer.total_steps", "train
               "trainer.log_rollouts", "trainer.max_skipped_steps", "trainer.preempt_deadline_s",
               "trainer.collective_timeout_min", "trainer.check_memory", "tracking.", "reward.", "eval.",
               "rollout.engine", "rollout.compile", "rollout.kv_cache_gb", "rollout.gpu_memory_utilization",
-              "rollout.sleep_between_steps")
+              "rollout.sleep_between_steps", "rollout.verify_push", "rollout.push_tolerance", "rollout.mismatch_alarm")
 
 
 @dataclass

@@ -39,7 +39,7 @@ from gapo.rollout.engine import Engine, build_engine
 from gapo.rollout.types import Rollout, SamplingConfig
 from gapo.study.evaluate import Bench, evaluate, load_benchmark, summary, write_results
 from gapo.tracking import Tracker
-from gapo.trainer import checkpoint, preempt
+from gapo.trainer import checkpoint, preempt, sync
 from gapo.trainer.actor import Actor
 from gapo.trainer.logprobs import MicroBatch, pack_step
 from gapo.trainer.losses import (
@@ -88,12 +88,14 @@ class Setup:
     first_step: int
     parent: dict | None  # the run this one branched from
     tokenizer: Any
+    pad_id: int  # what pads a micro-batch: the tokenizer's pad token, else its end of sequence
     problems: list[Problem]
     prompt_ids: list[list[int]]
     sampler: Sampler
     benches: list[Bench]  # validation: the problems that fit data.max_prompt_tokens
     engine: Engine
     actor: Actor
+    probe: sync.Probe  # what a verified push samples and scores (rollout.verify_push)
     tracker: Tracker | None  # rank 0 only
     wandb_id: str | None
     loaded: Path | None  # the checkpoint it went on from (its run's step-0 validation is logged already)
@@ -158,10 +160,12 @@ def setup(cfg: Config, rank: int, world: int) -> Setup:
                           sleep_mode=r.sleep_between_steps, compile=r.compile)
     resharding = start.state is not None and start.state.world_size != world
     actor = Actor(cfg, model_dir, load_universal=resharding)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    probe = sync.Probe.of(tokenizer, cfg, pad_id)
     if start.ckpt is not None:  # model, optimizer, scheduler, this rank's RNG states
         checkpoint.load(actor, start.ckpt, start.state.world_size, run_dir)
         sampler.load_state_dict(start.state.sampler)
-        engine.push_weights(actor.gathered_weights())
+        sync.push(engine, actor, start.state.step, probe if r.verify_push != "off" else None)
 
     tracker = None
     if rank == 0:
@@ -172,8 +176,9 @@ def setup(cfg: Config, rank: int, world: int) -> Setup:
         tracker = Tracker(cfg, run_dir, wandb_id=start.state.wandb_id if going_on else None, parent=start.parent)
     wandb_id = gather(tracker.wandb_id if tracker else None)[0]
     return Setup(cfg=cfg, run_dir=run_dir, first_step=start.state.step + 1 if start.state else 1, parent=start.parent,
-                 tokenizer=tokenizer, problems=problems, prompt_ids=prompt_ids, sampler=sampler, benches=benches,
-                 engine=engine, actor=actor, tracker=tracker, wandb_id=wandb_id, loaded=start.ckpt)
+                 tokenizer=tokenizer, pad_id=pad_id, problems=problems, prompt_ids=prompt_ids, sampler=sampler,
+                 benches=benches,
+                 engine=engine, actor=actor, probe=probe, tracker=tracker, wandb_id=wandb_id, loaded=start.ckpt)
 
 
 def train(cfg: Config) -> Path:
@@ -186,13 +191,15 @@ def train(cfg: Config) -> Path:
     s = setup(cfg, rank, world)
     cfg, run_dir, engine, actor, tracker = s.cfg, s.run_dir, s.engine, s.actor, s.tracker
     t, r, a, ev = cfg.trainer, cfg.rollout, cfg.algorithm, cfg.eval
-    pad_id = s.tokenizer.pad_token_id if s.tokenizer.pad_token_id is not None else s.tokenizer.eos_token_id
     sampling = SamplingConfig(n=r.group_size, temperature=r.temperature, top_p=r.top_p,
                               max_new_tokens=r.max_new_tokens, stop_token_ids=stop_token_ids(s.tokenizer))
     # Sharing prompts needs the KV cache, which transformers drops under gradient checkpointing in training;
     # both passes over a micro-batch must take the same path (see actor._decode), so it is decided here.
     share_prompts = t.share_prompts and not cfg.model.gradient_checkpointing
     val_history: list[tuple[int, dict]] = []
+    verified = r.verify_push == "off" or (r.verify_push == "first" and s.loaded is not None)  # (setup's push was)
+    alarm = sync.MismatchAlarm(r.mismatch_alarm.factor, r.mismatch_alarm.floor or sync.ALARM_FLOOR[cfg.model.dtype],
+                               r.mismatch_alarm.warmup)
 
     def validate(step: int) -> None:
         """Same code path as gapo-eval; per-problem solve rates go to val/step_N.jsonl for coverage plots."""
@@ -232,6 +239,7 @@ def train(cfg: Config) -> Path:
         groups: list[list[Rollout]] = engine.generate([s.prompt_ids[batch[j]] for j in mine], sampling,
                                                       seeds=[request_seed(t.seed, step, j) for j in mine])
         timings["generate"] = time.perf_counter() - tic
+        sync.check_versions(groups, expected=step - 1, step=step)  # sampled with the previous step's weights
         if r.sleep_between_steps:
             engine.sleep()
 
@@ -263,7 +271,7 @@ def train(cfg: Config) -> Path:
         # --- 3. micro-batches, old log-probs (and entropy, engine/trainer mismatch) ------------------------------
         tic = time.perf_counter()
         minis = pack_step(rollouts, ga.adv, ga.c, ga.k, keep, mini=shape.mini, micro=shape.micro,
-                          max_tokens=t.max_tokens_per_micro_batch, pad_id=pad_id, share_prompts=share_prompts,
+                          max_tokens=t.max_tokens_per_micro_batch, pad_id=s.pad_id, share_prompts=share_prompts,
                           device=actor.device)
         old = old_logprobs(actor, [mb for mini in minis for mb in mini], cfg)
         timings["old_logprob"] = time.perf_counter() - tic
@@ -274,10 +282,10 @@ def train(cfg: Config) -> Path:
         skipped_in_a_row = up.skipped_in_a_row
         timings["train"] = time.perf_counter() - tic
 
-        # --- 5. weight push: gather (collective) and stream into this rank's engine -------------------------------
-        tic = time.perf_counter()
-        engine.push_weights(actor.gathered_weights())
-        timings["weight_push"] = time.perf_counter() - tic
+        # --- 5. weight push: gather (collective), stream into this rank's engine, verify (gapo/trainer/sync.py) ----
+        pushed = sync.push(engine, actor, step, None if verified else s.probe)
+        verified = verified or r.verify_push == "first"
+        timings["weight_push"], timings["push_verify"] = pushed.push_s, pushed.verify_s
 
         # --- 6. metrics over all ranks ----------------------------------------------------------------------------
         stats = RolloutStats.cat(up.stats)
@@ -295,6 +303,9 @@ def train(cfg: Config) -> Path:
         if rank == 0:
             metrics = step_metrics(parts, a.is_level, up.grad_norm, actor.lr(), a.correct_threshold,
                                    correction=a.rollout_correction.mode != "off")
+            metrics["sync/weight_version"] = float(step - 1)  # what this step's rollouts were sampled with
+            if math.isfinite(pushed.probe_diff):
+                metrics["sync/probe_logprob_diff"] = pushed.probe_diff  # rank 0's engine after this step's push
             if step == s.first_step:
                 metrics["time/startup_s"] = startup_s
                 if s.parent:
@@ -305,6 +316,14 @@ def train(cfg: Config) -> Path:
             if t.log_rollouts:
                 tracker.log_rollouts([rec for p in parts for rec in p.records])
             console.say(console.step_line(step, t.total_steps, metrics))
+        if r.mismatch_alarm.mode != "off":
+            mine_alarm = alarm.check(step, metrics.get("logprob_mismatch/kl_k3", math.nan)) if rank == 0 else None
+            jumped = gather(mine_alarm)[0]  # rank 0's verdict, on every rank: a stop is every rank's
+            if jumped and r.mismatch_alarm.mode == "stop":
+                raise sync.SyncError(jumped)
+            if jumped and rank == 0:
+                log.warning("%s", jumped)
+                console.say(f"warning: {jumped}")
         if s.benches and ((t.eval_every and step % t.eval_every == 0) or step == t.total_steps):
             validate(step)
 
@@ -462,5 +481,5 @@ def rollout_records(step, rank, prompt_idx, problems, groups, results, ga, eps_h
         out.append({"step": step, "rank": rank, "problem": problems[prompt_idx[i // k]].uid, "text": x.text,
                     "reward": res.reward, "status": res.status, "c": int(ga.c[i]), "k": int(ga.k[i]),
                     "adv": float(ga.adv[i]), "eps_hi": float(eps_hi[i]), "len": len(x.response_ids),
-                    "truncated": x.truncated, "updates": updates[i]})
+                    "truncated": x.truncated, "version": x.version, "updates": updates[i]})
     return out

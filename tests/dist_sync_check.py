@@ -1,0 +1,60 @@
+"""Run under torchrun by test_sync.py: a tiny run whose weight sync is broken on purpose, one way per run, by patching
+the trainer from outside (no fault switches in gapo itself). Writes the SyncError each rank stopped with (or none).
+
+Faults: drop (one tensor never leaves the trainer), stale (one tensor is pushed with its value from the first push,
+one step old at the second), skip (the push after step 2 never happens)."""
+
+import json
+import sys
+
+from gapo.config import load_config
+from gapo.distributed import leave_distributed
+from gapo.trainer import actor, loop, sync
+
+TENSOR = "model.layers.1.mlp.down_proj.weight"
+
+
+def inject(fault: str) -> None:
+    gathered = actor.Actor.gathered_weights
+    if fault == "drop":
+        def dropping(self, *args, **kwargs):
+            yield from ((name, t) for name, t in gathered(self, *args, **kwargs) if name != TENSOR)
+
+        actor.Actor.gathered_weights = dropping
+    elif fault == "stale":
+        first = {}
+
+        def stale(self, *args, **kwargs):
+            for name, t in gathered(self, *args, **kwargs):
+                yield name, first.setdefault(name, t.clone()) if name == TENSOR else t
+
+        actor.Actor.gathered_weights = stale
+    elif fault == "skip":
+        push = sync.push
+
+        def skipping(engine, actor_, version, probe):
+            return sync.Verified(push_s=0.0) if version == 2 else push(engine, actor_, version, probe)
+
+        sync.push = skipping
+    else:
+        assert fault == "none", fault
+
+
+def main(out_path: str, fault: str, run_dir: str, *overrides: str) -> None:
+    inject(fault)
+    cfg = load_config("configs/tiny_cpu.yaml", [f"trainer.output_dir={run_dir}", "tracking.mode=disabled",
+                                                *overrides])
+    try:
+        loop.train(cfg)
+        error = None
+    except sync.SyncError as err:
+        error = str(err)
+    import torch.distributed as dist
+
+    with open(f"{out_path}.{dist.get_rank()}", "w") as f:
+        json.dump({"error": error}, f)
+    leave_distributed()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
