@@ -1,15 +1,17 @@
-"""Run under torchrun by test_sync.py: a tiny run whose weight sync is broken on purpose, one way per run, by patching
-the trainer from outside (no fault switches in gapo itself). Writes the SyncError each rank stopped with (or none).
+"""Run under torchrun by test_sync.py: a tiny gapo-train run (its command line, on each rank) whose weight sync is
+broken on purpose, one way per run, by patching the trainer from outside (no fault switches in gapo itself). Writes each
+rank's exit code and the run's train.log, where the console's messages go too.
 
 Faults: drop (one tensor never leaves the trainer), stale (one tensor is pushed with its value from the first push,
 one step old at the second), skip (the push after step 2 never happens)."""
 
 import json
 import sys
+from pathlib import Path
 
-from gapo.config import load_config
+from gapo.cli import train_main
 from gapo.distributed import leave_distributed
-from gapo.trainer import actor, loop, sync
+from gapo.trainer import actor, sync
 
 TENSOR = "model.layers.1.mlp.down_proj.weight"
 
@@ -41,19 +43,15 @@ def inject(fault: str) -> None:
 
 
 def main(out_path: str, fault: str, run_dir: str, *overrides: str) -> None:
-    inject(fault)
-    cfg = load_config("configs/tiny_cpu.yaml", [f"trainer.output_dir={run_dir}", "tracking.mode=disabled",
-                                                *overrides])
-    try:
-        loop.train(cfg)
-        error = None
-    except sync.SyncError as err:
-        error = str(err)
     import torch.distributed as dist
 
+    inject(fault)
+    code = train_main(["--config", "configs/tiny_cpu.yaml", f"trainer.output_dir={run_dir}", "tracking.mode=disabled",
+                       *overrides])
     with open(f"{out_path}.{dist.get_rank()}", "w") as f:
-        json.dump({"error": error}, f)
-    leave_distributed()
+        json.dump({"code": code, "log": (Path(run_dir) / "train.log").read_text()}, f)
+    if code == 0:
+        leave_distributed()
 
 
 if __name__ == "__main__":

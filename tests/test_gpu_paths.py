@@ -39,7 +39,7 @@ class FakeLLM:
         assert not self.sleeping, f"generate with {self.sleeping} asleep"
         self.events.append("generate")
         done = types.SimpleNamespace(token_ids=[7], logprobs=[{7: types.SimpleNamespace(logprob=-0.5)}],
-                                     finish_reason="stop", text="x")
+                                     finish_reason="stop", text="x", weight_versions=None)
         return [types.SimpleNamespace(outputs=[done]) for _ in prompts]
 
     def sleep(self, level):
@@ -52,12 +52,24 @@ class FakeLLM:
         return not self.sleeping and self.fully_awake
 
     def collective_rpc(self, fn, args=()):
+        """The worker as gapo's _reload sees it: reload_weights runs the model's load_weights over the iterator."""
+        model = types.SimpleNamespace(named_parameters=lambda: [(n, None) for n in ("embed", "head", "w")])
+        model.load_weights = lambda ws: {name for name, _ in ws}
+
         def reload_weights(weights_iterator):
             assert "weights" not in self.sleeping, "weights written into unmapped memory"
-            names = [name for name, _ in weights_iterator]
+            names = sorted(model.load_weights(weights_iterator))
             self.events.append("load:" + ",".join(names))
 
-        fn(types.SimpleNamespace(reload_weights=reload_weights), *args)
+        worker = types.SimpleNamespace(reload_weights=reload_weights,
+                                       model_runner=types.SimpleNamespace(get_model=lambda: model))
+        return [fn(worker, *args)]
+
+    @property
+    def llm_engine(self):
+        """The version label and the shutdown gapo uses (set_weight_version; engine_core.shutdown at leave)."""
+        return types.SimpleNamespace(set_weight_version=lambda v: self.events.append(f"version:{v}"),
+                                     engine_core=types.SimpleNamespace(shutdown=lambda: None))
 
     def reset_prefix_cache(self):
         self.events.append("reset_prefix_cache")
@@ -144,21 +156,22 @@ def test_sleep_cycle_frees_torch_cache_and_wakes_weights_then_kv_cache(fake_vllm
     engine.sleep()
     with pytest.raises(RuntimeError, match="sleeping vLLM engine"):
         engine.generate([[1, 2]], SAMPLING, seeds=[0])
-    engine.push_weights(weights(events))
+    receipt = engine.push_weights(weights(events), version=1)
     engine.generate([[1, 2]], SAMPLING, seeds=[0])
-    assert events == ["generate", "sleep:2",
+    assert events == ["version:0", "generate", "sleep:2",
                       "gc", "empty_cache", "wake:weights",
-                      "gather:embed", "gather:head", "load:embed,head",
+                      "gather:embed", "gather:head", "load:embed,head", "version:1",
                       "gc", "empty_cache", "wake:kv_cache",
                       "reset_prefix_cache", "generate"]
+    assert receipt.received == ["embed", "head"] and receipt.unloaded == ["w"]  # what the sync check reads
 
 
 def test_push_into_an_awake_engine_wakes_nothing(fake_vllm):
     """Resume pushes the checkpoint's weights into a freshly built (awake) engine."""
     events, build = fake_vllm
     engine = build(sleep_mode=True)
-    engine.push_weights(weights(events))
-    assert events == ["gather:embed", "gather:head", "load:embed,head", "reset_prefix_cache"]
+    engine.push_weights(weights(events), version=3)
+    assert events == ["version:0", "gather:embed", "gather:head", "load:embed,head", "version:3", "reset_prefix_cache"]
 
 
 def test_sleep_needs_sleep_mode_and_a_partial_wake_is_an_error(fake_vllm):
@@ -168,7 +181,7 @@ def test_sleep_needs_sleep_mode_and_a_partial_wake_is_an_error(fake_vllm):
     engine = build(sleep_mode=True, wake_completes=False)
     engine.sleep()
     with pytest.raises(RuntimeError, match="still reports sleeping memory"):
-        engine.push_weights(weights(events))
+        engine.push_weights(weights(events), version=1)
 
 
 # -------------------------------------------------------------------------- transformers engine device
@@ -288,8 +301,12 @@ def test_hf_engine_runs_on_the_cpu_without_cuda(concurrent_build):
     engine = HFEngine(str(model_dir))
     assert engine.device == torch.device("cpu")
     before = engine.generate([[1, 2, 3]], SAMPLING, seeds=[5])
-    engine.push_weights((name, p.detach().clone()) for name, p in engine.model.named_parameters())
-    assert engine.generate([[1, 2, 3]], SAMPLING, seeds=[5]) == before
+    receipt = engine.push_weights(((name, p.detach().clone()) for name, p in engine.model.named_parameters()),
+                                  version=1)
+    assert receipt.unloaded == ["lm_head.weight"]  # tied: named_parameters() gave it under the embedding's name
+    after = engine.generate([[1, 2, 3]], SAMPLING, seeds=[5])
+    assert after[0][0].version == 1 and [[(x.response_ids, x.logprobs) for x in g] for g in after] == \
+        [[(x.response_ids, x.logprobs) for x in g] for g in before]
 
 
 def test_a_build_keeps_its_seeds_to_itself_and_refuses_a_foreign_directory(tmp_path):
@@ -318,7 +335,7 @@ def test_a_prefix_cache_that_will_not_reset_stops_the_push(fake_vllm):
     FakeLLM.reset_ok = False
     try:
         with pytest.raises(RuntimeError, match="did not reset its prefix cache"):
-            engine.push_weights([("w", torch.zeros(1))])
+            engine.push_weights([("w", torch.zeros(1))], version=1)
     finally:
         FakeLLM.reset_ok = True
     assert events[-1] == "reset_prefix_cache"

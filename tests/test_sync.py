@@ -71,9 +71,9 @@ def test_a_broken_weight_sync_stops_the_run_naming_the_tensor_or_the_version(tor
     # lr 1e-3: one step of the tiny model moves the probe's log-probs by ~5e-4, beyond the fp32 tolerance (1e-4)
     results = torchrun("dist_sync_check.py", fault, str(tmp_path / "run"), "trainer.total_steps=3", "trainer.lr=1e-3",
                        nproc=nproc)
-    for rank, res in enumerate(results):  # every rank stops, with every rank's findings
-        assert res["error"] is not None, f"rank {rank} trained on through a {fault} fault"
-        assert needle in res["error"], res["error"]
+    for rank, res in enumerate(results):  # every rank stops (exit 3: a run that cannot go on), the message in the log
+        assert res["code"] == 3, f"rank {rank} ended with {res['code']} after a {fault} fault"
+        assert "failed verification" in res["log"] and needle in res["log"], res["log"][-3000:]
 
 
 @pytest.mark.dist
@@ -83,7 +83,7 @@ def test_an_intact_sync_verifies_every_push(torchrun, tmp_path):
 
     [res, _] = torchrun("dist_sync_check.py", "none", str(tmp_path / "run"), "trainer.total_steps=3",
                         "trainer.log_rollouts=true", nproc=2)
-    assert res["error"] is None
+    assert res["code"] == 0, res["log"][-3000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in rows if "sync/weight_version" in m]
     assert [m["sync/weight_version"] for m in steps] == [0.0, 1.0, 2.0]
@@ -91,3 +91,16 @@ def test_an_intact_sync_verifies_every_push(torchrun, tmp_path):
                for m in steps)
     versions = {r["step"]: r["version"] for r in map(json.loads, (tmp_path / "run" / "rollouts.jsonl").open())}
     assert versions == {1: 0, 2: 1, 3: 2}
+
+
+def test_a_response_takes_the_one_version_vllm_stamped_on_it():
+    from types import SimpleNamespace as Span
+
+    from gapo.rollout.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine.__new__(VLLMEngine)  # _sampled_with reads only the engine's current version
+    engine.version = 7
+    assert engine._sampled_with([Span(version="6", start=0, end=9)]) == 6
+    assert engine._sampled_with(None) == 7 and engine._sampled_with([]) == 7  # nothing stamped: the current one
+    with pytest.raises(RuntimeError, match=r"across weight versions \[5, 6\]"):
+        engine._sampled_with([Span(version="5", start=0, end=3), Span(version="6", start=3, end=9)])

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -160,7 +161,10 @@ def train_run(out: Path, cpu_smoke: bool) -> None:
     cmd = [sys.executable, "-m", "gapo.cli", "--config", "configs/tiny_cpu.yaml", "--nproc", str(n),
            f"trainer.output_dir={out / 'train'}", f"model.dtype={dtype}", "trainer.total_steps=2",
            "tracking.mode=disabled"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    # This process is a world of one already (RANK, MASTER_PORT, ... set): the child must start its own.
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     rows = [json.loads(x) for x in (out / "train" / "metrics.jsonl").read_text().splitlines()] \
         if (out / "train" / "metrics.jsonl").exists() else []
     verified = [x for x in rows if "sync/probe_logprob_diff" in x]
