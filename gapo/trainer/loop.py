@@ -34,21 +34,20 @@ from gapo.distributed import gather, init_distributed
 from gapo.memory import plan_text
 from gapo.models import check_context_budget, resolve_model
 from gapo.reward.registry import check_rewards, score_groups, training_set
-from gapo.reward.types import RewardResult, status_counts
+from gapo.reward.types import status_counts
 from gapo.rollout.engine import Engine, build_engine
 from gapo.rollout.types import Rollout, SamplingConfig
 from gapo.study.evaluate import Bench, evaluate, load_benchmark, summary, write_results
 from gapo.tracking import Tracker
 from gapo.trainer import checkpoint, preempt, sync
 from gapo.trainer.actor import Actor
+from gapo.trainer.batch import StepBatch
 from gapo.trainer.logprobs import MicroBatch, pack_step
 from gapo.trainer.losses import (
-    GroupAdvantages,
     MismatchStats,
     RolloutStats,
     StepNorm,
     clip_high,
-    group_advantages,
     kl_penalty,
     mismatch_stats,
     policy_loss,
@@ -233,26 +232,23 @@ def train(cfg: Config) -> Path:
         if os.environ.get("GAPO_FAULT") == f"signal:{step}" and rank == 0:  # fault injection (preemption tests)
             os.kill(os.getpid(), signal.SIGTERM)
         # --- 1. prompts (the same global draw on every rank, each takes its contiguous shard) -> rollouts ------
-        batch = s.sampler.next(r.prompts_per_step)
+        drawn = s.sampler.next(r.prompts_per_step)
         mine = list(range(rank * shape.prompts, (rank + 1) * shape.prompts))
+        problems = [s.problems[drawn[j]] for j in mine]
         tic = time.perf_counter()
-        groups: list[list[Rollout]] = engine.generate([s.prompt_ids[batch[j]] for j in mine], sampling,
+        groups: list[list[Rollout]] = engine.generate([s.prompt_ids[drawn[j]] for j in mine], sampling,
                                                       seeds=[request_seed(t.seed, step, j) for j in mine])
         timings["generate"] = time.perf_counter() - tic
         sync.check_versions(groups, expected=step - 1, step=step)  # sampled with the previous step's weights
         if r.sleep_between_steps:
             engine.sleep()
 
-        # --- 2. rewards, advantages, and which rollouts the loss takes --------------------------------------------
+        # --- 2. rewards, advantages, and which rollouts the loss takes: the step's batch ---------------------------
         tic = time.perf_counter()
-        results = score_groups(cfg.data.type, [[x.text for x in g] for g in groups],
-                               [s.problems[batch[j]] for j in mine], cfg.reward)
+        results = score_groups(cfg.data.type, [[x.text for x in g] for g in groups], problems, cfg.reward)
         timings["reward"] = time.perf_counter() - tic
-        rollouts = [x for g in groups for x in g]
-        flat_results = [res for g in results for res in g]
-        check_rewards(flat_results, cfg.reward.max_error_frac, step, actor.device)
-        rewards = torch.tensor([res.reward for res in flat_results])
-        ga, keep = advantages_and_keep(rewards, groups, results, cfg)
+        batch = StepBatch.scored(step, step - 1, problems, groups, results, cfg)
+        check_rewards(batch.flat_results, cfg.reward.max_error_frac, step, actor.device)
         since = preempt.agreed(actor.device)
         if since is not None and since + last_rest_s + last_save_s > t.preempt_deadline_s:
             # Signalled, and finishing the step would pass the deadline: nothing has moved yet, so the previous
@@ -270,7 +266,8 @@ def train(cfg: Config) -> Path:
 
         # --- 3. micro-batches, old log-probs (and entropy, engine/trainer mismatch) ------------------------------
         tic = time.perf_counter()
-        minis = pack_step(rollouts, ga.adv, ga.c, ga.k, keep, mini=shape.mini, micro=shape.micro,
+        minis = pack_step(batch.rollouts, batch.adv.adv, batch.adv.c, batch.adv.k, batch.keep, mini=shape.mini,
+                          micro=shape.micro,
                           max_tokens=t.max_tokens_per_micro_batch, pad_id=s.pad_id, share_prompts=share_prompts,
                           device=actor.device)
         old = old_logprobs(actor, [mb for mini in minis for mb in mini], cfg)
@@ -289,9 +286,11 @@ def train(cfg: Config) -> Path:
 
         # --- 6. metrics over all ranks ----------------------------------------------------------------------------
         stats = RolloutStats.cat(up.stats)
-        records = rollout_records(step, rank, [batch[j] for j in mine], s.problems, groups, flat_results, ga,
-                                  clip_high(ga.c, ga.k, a), up.stats, up.stat_rows) if t.log_rollouts else None
-        mine_step = RankStep(stats=stats, rewards=rewards, c=ga.c, k=ga.k, reward_counts=status_counts(flat_results),
+        records = rollout_records(batch, rank, clip_high(batch.adv.c, batch.adv.k, a), up.stats,
+                                  up.stat_rows) if t.log_rollouts else None
+        rollouts = batch.rollouts
+        mine_step = RankStep(stats=stats, rewards=batch.rewards, c=batch.adv.c, k=batch.adv.k,
+                             reward_counts=status_counts(batch.flat_results),
                              lengths=[len(x.response_ids) for x in rollouts], truncated=[x.truncated for x in rollouts],
                              mismatch=torch.cat(old.mismatch + up.mismatch), entropy_sum=old.entropy_sum,
                              kl_ref_sum=old.kl_ref_sum, first_dev=torch.cat(up.first_dev),
@@ -345,23 +344,6 @@ def train(cfg: Config) -> Path:
         tracker.finish()
     dist.barrier()
     return run_dir
-
-
-def advantages_and_keep(rewards: Tensor, groups: list[list[Rollout]], results: list[list[RewardResult]],
-                        cfg: Config) -> tuple[GroupAdvantages, Tensor]:
-    """Group advantages [R] and the keep mask [R] bool: a rollout left out of the loss keeps its place (every rank
-    must run the same forwards under ZeRO-3) and just gets no tokens in the mask, the normaliser or the metrics.
-    A group its rewarder failed on (every rollout "error") is left out: a rewarder's failure is no signal about
-    the policy; so are uniform groups and truncated responses when the rollout settings say so."""
-    r, a = cfg.rollout, cfg.algorithm
-    ga = group_advantages(rewards, [r.group_size] * len(groups), std_normalize=a.std_normalize,
-                          focal_gamma=a.focal_gamma, correct_threshold=a.correct_threshold)
-    keep = torch.tensor([not all(x.status == "error" for x in g) for g in results for _ in g])
-    if r.filter_uniform_groups:
-        keep &= (ga.c > 0) & (ga.c < ga.k)
-    if r.mask_truncated:
-        keep &= torch.tensor([not x.truncated for g in groups for x in g])
-    return ga, keep
 
 
 @dataclass
@@ -465,21 +447,20 @@ def update(actor: Actor, minis: list[list[MicroBatch]], cfg: Config, step: int, 
     return out
 
 
-def rollout_records(step, rank, prompt_idx, problems, groups, results, ga, eps_hi, stats, stat_rows) -> list[dict]:
+def rollout_records(batch: StepBatch, rank: int, eps_hi: Tensor, stats: list[RolloutStats],
+                    stat_rows: list[Tensor]) -> list[dict]:
     """One JSON record per rollout: what was sampled, how it scored, and every update's IS ratio and clip
     decision for it (in update order), so a reader can audit the clipping of any single rollout."""
-    updates: list[list[dict]] = [[] for _ in results]
+    rollouts, results, ga = batch.rollouts, batch.flat_results, batch.adv
+    updates: list[list[dict]] = [[] for _ in rollouts]
     for st, rows in zip(stats, stat_rows, strict=True):  # per micro-batch, epochs in order
         for b, j in enumerate(rows.tolist()):
             updates[j].append({"is_ratio": float(torch.exp(st.seq_log_ratio[b])),
                                "clip_hi_tokens": int(st.clip_hi_tokens[b]),
                                "clip_lo_tokens": int(st.clip_lo_tokens[b])})
-    out = []
-    k = len(groups[0])
-    for i, res in enumerate(results):
-        x = groups[i // k][i % k]
-        out.append({"step": step, "rank": rank, "problem": problems[prompt_idx[i // k]].uid, "text": x.text,
-                    "reward": res.reward, "status": res.status, "c": int(ga.c[i]), "k": int(ga.k[i]),
-                    "adv": float(ga.adv[i]), "eps_hi": float(eps_hi[i]), "len": len(x.response_ids),
-                    "truncated": x.truncated, "version": x.version, "updates": updates[i]})
-    return out
+    k = len(batch.groups[0])
+    return [{"step": batch.step, "rank": rank, "problem": batch.problems[i // k].uid, "text": x.text,
+             "reward": res.reward, "status": res.status, "c": int(ga.c[i]), "k": int(ga.k[i]),
+             "adv": float(ga.adv[i]), "eps_hi": float(eps_hi[i]), "len": len(x.response_ids),
+             "truncated": x.truncated, "version": x.version, "updates": updates[i]}
+            for i, (x, res) in enumerate(zip(rollouts, results, strict=True))]
