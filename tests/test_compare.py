@@ -77,22 +77,31 @@ def test_welch_by_hand():
     assert all(math.isnan(x) for x in welch([0.5, 0.5], [0.5, 0.5]))  # no spread on either side: undefined
 
 
+def logit_cell(fracs: list[float]) -> str:
+    """A pass@1 cell by hand: the back-transformed mean logit and the Student-t interval on the logit scale, in %."""
+    z = [math.log(p / (1 - p)) for p in fracs]
+    zm = sum(z) / len(z)
+    h = T_975_DF2 * math.sqrt(sum((x - zm) ** 2 for x in z) / 2) / math.sqrt(3)
+    c, lo, hi = (100 / (1 + math.exp(-(zm + d))) for d in (0, -h, h))
+    assert lo < c < hi
+    return f"{c:.2f} [{lo:.2f}, {hi:.2f}] (n = 3)"
+
+
 def test_report_cells_and_figures(seeds, tmp_path, capsys):
     out = tmp_path / "cmp"
     assert main(["--out", str(out), "--steps", "3:8", *_group_args(seeds)]) == 0
     md = (out / "compare.md").read_text()
     val = md.split("## Final validation")[1].split("## Training")[0]
     # aime24 final pass@1: gapo 4, 5, 6 of 16 -> 0.25, 0.3125, 0.375; gspo 2, 3, 2 of 16
-    half = T_975_DF2 * 0.0625 / math.sqrt(3)
     gspo = [2 / 16, 3 / 16, 2 / 16]
     gspo_mean = sum(gspo) / 3
     gspo_sd = math.sqrt(sum((x - gspo_mean) ** 2 for x in gspo) / 2)
     gapo_row = val.split("\n| gapo | ")[1].split("\n")[0]
-    assert gapo_row.startswith(f"31.25 ± {100 * half:.2f} | ")
+    assert gapo_row.startswith(logit_cell([0.25, 0.3125, 0.375]) + " | ")
     gspo_row = val.split("\n| gspo | ")[1].split("\n")[0]
-    assert gspo_row.startswith(f"{100 * gspo_mean:.2f} ± {100 * T_975_DF2 * gspo_sd / math.sqrt(3):.2f} | ")
-    # math500: gapo 0.5, 0.625, 0.75; the mean column averages the two benchmarks per seed
-    assert f"| 62.50 ± {100 * T_975_DF2 * 0.125 / math.sqrt(3):.2f} |" in gapo_row
+    assert gspo_row.startswith(logit_cell(gspo) + " | ")
+    # math500: gapo 0.5, 0.625, 0.75 (mean 62.50, logit centre 63.10); the mean column averages the two benchmarks
+    assert f"| {logit_cell([0.5, 0.625, 0.75])} |" in gapo_row
     assert "| label | aime24 | math500 | mean |" in val
     # Welch on aime24, from the same hand arithmetic as test_welch_by_hand
     se2 = 0.0625**2 / 3 + gspo_sd**2 / 3
@@ -110,7 +119,13 @@ def test_report_cells_and_figures(seeds, tmp_path, capsys):
     zm = sum(z) / 3
     h = T_975_DF2 * math.sqrt(sum((x - zm) ** 2 for x in z) / 2) / math.sqrt(3)
     lo, hi = (1 / (1 + math.exp(-(zm + d))) for d in (-h, h))
-    assert f"{sum(fracs) / 3:.4g} [{lo:.4g}, {hi:.4g}] (n = 3)" in md
+    centre = 1 / (1 + math.exp(-zm))
+    assert lo < centre < hi and abs(centre - sum(fracs) / 3) < 0.02  # the centre is its interval's, not the plain mean
+    assert f"{centre:.4g} [{lo:.4g}, {hi:.4g}] (n = 3)" in md
+    # the pooled counts: c = 1 is low c (k = 4); the same clips per seed on both sides: odds ratio 1, no difference
+    pooled = md.split("## Clip counts pooled over seeds")[1]
+    assert "| gapo vs gspo | low | 6 / 90 | 6 / 90 | 1 | 0 | 1 |" in pooled
+    assert "| gapo vs gspo | high | 0 / 0 | 0 / 0 | – | – | (no stratum with both outcomes: no test) |" in pooled
     assert "steps 3–8" in md
     for name in ("clip_by_c.png", "clip_vs_c.png", "is_adv_corr.png", "val_pass.png", "coverage.png", "training.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
@@ -132,8 +147,8 @@ def test_val_step_option(seeds, tmp_path):
     assert main(["--out", str(out), "--val-step", "5", *_group_args(seeds)]) == 0
     md = (out / "compare.md").read_text()
     # at step 5 every seed solved 2 of 16 on each benchmark: no spread, and no test
-    assert "| gapo | 12.50 ± 0.00 | 12.50 ± 0.00 | 12.50 ± 0.00 |" in md
-    assert "+0.00 (p undefined)" in md
+    assert "| gapo | 12.50 [12.50, 12.50] (n = 3) | 12.50 [12.50, 12.50] (n = 3) | 12.50 [12.50, 12.50] (n = 3) |" in md
+    assert "+0.00 (no spread on either side: identical)" in md
     assert main(["--out", str(out), "--val-step", "7", *_group_args(seeds)]) == 2
 
 
@@ -175,3 +190,47 @@ def test_a_clip_fractions_interval_stays_within_zero_and_one():
     lo, hi = ProportionEstimate(fracs, counts=counts).interval()
     assert 0 < lo < sum(fracs) / 3 < hi < 1
     assert all(math.isnan(x) for x in ProportionEstimate((0.5,)).interval())  # undefined below two seeds
+
+
+@pytest.mark.parametrize("values, counts", [
+    ((0.5, 0.5, 0.5), ()),  # a constant group: the value itself, zero width
+    ((0.0, 0.01, 0.0), ()),  # near 0, exact zeros among the seeds
+    ((1.0, 0.99, 1.0), ()),  # near 1
+    ((0.2, 0.3), ()),  # a missing seed: two of three
+    ((0.01,) * 9 + (0.9,), ()),  # one seed far from the others: the plain mean (0.099) left the old interval
+    ((0.0, 0.1, 1.0), ((0, 40), (4, 40), (40, 40))),  # counts at both ends
+])
+def test_every_fraction_cell_has_its_centre_inside_its_interval_inside_zero_one(values, counts):
+    from gapo.study.compare import ProportionEstimate, estimate_cell
+
+    e = ProportionEstimate(values, counts=counts)
+    lo, hi = e.interval()
+    assert 0.0 <= lo <= e.centre <= hi <= 1.0, (lo, e.centre, hi)
+    if len(set(values)) == 1:
+        assert lo == e.centre == hi == values[0]
+    cell = estimate_cell(e, percent=True, expected=3)
+    assert cell.endswith(f"(n = {len(values)} of 3)" if len(values) < 3 else f"(n = {len(values)})"), cell
+
+
+def test_welchs_degenerate_cases_are_said_in_words():
+    from gapo.study.compare import ProportionEstimate, difference_cell, significance
+
+    assert significance([0.5, 0.5], [0.5, 0.5]) == "(no spread on either side: identical)"
+    assert "every seed differs the same way; no test" in significance([1.0, 1.0, 1.0], [0.5, 0.5, 0.5])
+    assert significance([0.3], [0.2, 0.1]) == "(n < 2: no test)"
+    assert significance([0.5, 0.5, 0.5], [0.1, 0.2, 0.3]) == "* (p = 0.035)"  # one side constant: testable
+    cell = difference_cell(ProportionEstimate((1.0, 1.0)), ProportionEstimate((0.5, 0.5)), percent=True)
+    assert cell.startswith("+50.00 (no spread on either side")
+
+
+def test_cmh_on_one_stratum_by_hand_and_on_identical_arms():
+    from gapo.study.compare import cmh
+
+    # 10 of 50 clipped against 2 of 50: E = 50 * 12 / 100 = 6, Var = 50 * 50 * 12 * 88 / (100^2 * 99) = 8/3,
+    # chi2 = (|10 - 6| - 0.5)^2 / (8/3) = 4.59375; Mantel-Haenszel odds ratio (10 * 48 / 100) / (2 * 40 / 100) = 6
+    odds, chi2, p = cmh([(10, 50, 2, 50)])
+    assert odds == pytest.approx(6.0) and chi2 == pytest.approx(4.59375)
+    assert p == pytest.approx(stats.chi2.sf(4.59375, 1)) and p < 0.05
+    odds, chi2, p = cmh([(3, 30, 3, 30), (5, 20, 5, 20)])
+    assert odds == pytest.approx(1.0) and chi2 == 0.0 and p == 1.0
+    assert all(math.isnan(x) for x in cmh([(0, 10, 0, 12)]))  # no clip anywhere: nothing to test

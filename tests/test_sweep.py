@@ -4,6 +4,7 @@ table) runs end to end on the tiny manifest, and the intervention manifest rehea
 branch."""
 
 import json
+import math
 import os
 import re
 import shlex
@@ -250,22 +251,34 @@ def _fake_results(root: Path, m, values: dict[tuple[str, int], float]) -> None:
         (d / "results.json").write_text(json.dumps({"meta": {}, "metrics": metrics}))
 
 
+def logit_cell(a: float, b: float) -> str:
+    """Two seeds' fractions as a table cell, by hand: t(0.975, 1) = 12.706 on the logit scale, mapped back, in %."""
+    z = [math.log(p / (1 - p)) for p in (a, b)]
+    h = 12.706204736 * abs(z[0] - z[1]) / math.sqrt(2) / math.sqrt(2)
+    c, lo, hi = (100 / (1 + math.exp(-(sum(z) / 2 + d))) for d in (0, -h, h))
+    assert 0 < lo < c < hi < 100
+    return f"{c:.1f} [{lo:.1f}, {hi:.1f}]"
+
+
 def test_the_table_is_built_from_the_evaluations_with_cis_and_welch(tmp_path):
     from gapo.study.tables import write
 
     m = load_manifest("tiny_cpu")
     _fake_results(tmp_path, m, {("gapo", 0): 0.30, ("gapo", 1): 0.34, ("gspo", 0): 0.10})
     md = write(m, tmp_path).read_text()
-    # GAPO: 32.0 ± t(0.975, 1) * s / sqrt(2) = 12.706 * 0.02828 / 1.414 = 25.4; GSPO has one seed so far.
-    assert "| GAPO | 3e-3 | 0.05 (adaptive) | 32.0 ± 25.4 / 64.0 ± 50.8 | 32.0 ± 25.4 / 64.0 ± 50.8 |" in md
-    assert "| GSPO | 3e-3 | 3e-3 | 10.0 (n = 1) / 20.0 (n = 1) |" in md
+    # GAPO: the logit-scale centre and t(0.975, 1) interval of (0.30, 0.34) and of pass@4 (0.60, 0.68), mapped back;
+    # GSPO has one seed of the two so far.
+    cells = f"{logit_cell(0.30, 0.34)} / {logit_cell(0.60, 0.68)}"
+    assert f"| GAPO | 3e-3 | 0.05 (adaptive) | {cells} | {cells} |" in md
+    assert "| GSPO | 3e-3 | 3e-3 | 10.0 (n = 1 of 2) / 20.0 (n = 1 of 2) |" in md
     assert "## Missing" in md and "gspo seed 1, step 2" in md
     _fake_results(tmp_path, m, {("gspo", 1): 0.12})
     md = write(m, tmp_path).read_text()
     assert "| GAPO vs GSPO | +21.00" in md and "(p = " in md and "## Missing" not in md
     assert "![coverage.png](coverage.png)" in md and (tmp_path / "tiny_cpu" / "compare" / "coverage.png").is_file()
     rows = (tmp_path / "tiny_cpu" / "compare" / "table.csv").read_text().splitlines()
-    assert rows[0] == "method,benchmark,metric,step,seeds,mean,ci95_half_width,values" and len(rows) == 1 + 2 * 2 * 2
+    assert rows[0] == "method,benchmark,metric,step,seeds,mean,centre,ci95_low,ci95_high,values"
+    assert len(rows) == 1 + 2 * 2 * 2
 
 
 @pytest.mark.e2e
@@ -290,7 +303,7 @@ def test_the_chain_sweep_evaluate_table_on_the_tiny_manifest(tmp_path):
     md = (tmp_path / "runs" / "tiny_cpu" / "compare" / "table.md").read_text()
     for label in ("GAPO", "GSPO"):
         row = next(x for x in md.splitlines() if x.startswith(f"| {label} |"))
-        assert row.count("±") == 4, row  # two benchmarks columns (arithmetic, mean) x pass@1 / pass@4
+        assert row.count(" [") == 4, row  # two benchmarks columns (arithmetic, mean) x pass@1 / pass@4
     assert "| GAPO vs GSPO |" in md and "## Missing" not in md
     for fig in ("clip_vs_c.png", "coverage.png"):
         assert (tmp_path / "runs" / "tiny_cpu" / "compare" / fig).is_file()

@@ -16,6 +16,7 @@ import argparse
 import math
 import re
 import sys
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,7 +61,8 @@ class CompareError(PlotError):
 
 @dataclass(frozen=True)
 class Estimate:
-    """One label's values of one metric, one per seed."""
+    """One label's values of one metric, one per seed: mean ± a Student-t interval (the paper's Table 6), for
+    quantities without bounds (entropy, lengths, correlations)."""
 
     values: tuple[float, ...]
 
@@ -73,30 +75,61 @@ class Estimate:
         return float(np.mean(self.values))
 
     @property
+    def centre(self) -> float:
+        """What a cell shows as the estimate: inside interval() whenever that is defined."""
+        return self.mean
+
+    @property
     def half_width(self) -> float:
         """t_{0.975, n-1} * s / sqrt(n), s the sample standard deviation: the paper's Table 6 interval.
         NaN below two seeds, where the spread, and so the interval, is undefined."""
         return ci_half_width(self.values)
 
+    def interval(self, level: float = LEVEL) -> tuple[float, float]:
+        h = ci_half_width(self.values, level)
+        return self.mean - h, self.mean + h
+
 
 @dataclass(frozen=True)
 class ProportionEstimate(Estimate):
-    """A fraction per seed (a clip fraction), whose interval must stay in [0, 1]: a Student-t interval on the
-    logit scale over seeds, mapped back. With three seeds the plain t-interval reached 1.75 on a fraction; this
-    one keeps the between-seed spread (a pooled Wilson interval would treat every rollout of every seed as
-    independent and look far too sure) and is asymmetric near 0 and 1. `counts` (clipped, units) per seed, when
-    known, give each seed's fraction a 0.5 continuity correction, so a seed at exactly 0 or 1 stays finite."""
+    """A fraction per seed (pass@k, a clip fraction), whose interval must stay in [0, 1]: a Student-t interval on
+    the logit scale over seeds, mapped back, around its own centre (the back-transformed mean logit), so the centre
+    is inside it by construction. With three seeds the plain t-interval reached 1.75 on a fraction; this one keeps
+    the between-seed spread (a pooled Wilson interval would treat every rollout of every seed as independent and
+    look far too sure) and is asymmetric near 0 and 1. `counts` (events, units) per seed, when known, give each
+    seed's fraction a 0.5 continuity correction; without them fractions are held within [1e-3, 1 - 1e-3]. Seeds
+    that all agree give the value itself with a zero-width interval (no spread to estimate), exact at 0 and 1.
+
+    Why not a bootstrap over seeds (scipy.stats.bootstrap): with 3-5 seeds it has at most a few dozen distinct
+    resamples and its percentile interval is too narrow; the t-interval's df = n - 1 pays for the few seeds."""
 
     counts: tuple[tuple[float, float], ...] = ()
 
-    def interval(self, level: float = LEVEL) -> tuple[float, float]:
-        if self.n < 2:
-            return float("nan"), float("nan")
+    def _logits(self) -> np.ndarray:
         if self.counts:
             p = np.array([(c + 0.5) / (u + 1.0) for c, u in self.counts])
         else:
             p = np.clip(np.asarray(self.values, dtype=float), 1e-3, 1 - 1e-3)
-        z = np.log(p / (1 - p))
+        return np.log(p / (1 - p))
+
+    @property
+    def constant(self) -> bool:
+        return self.n > 0 and bool(np.ptp(self.values) == 0)
+
+    @property
+    def centre(self) -> float:
+        if self.n == 0:
+            return float("nan")
+        if self.n == 1 or self.constant:
+            return float(self.values[0])
+        return float(1 / (1 + math.exp(-self._logits().mean())))
+
+    def interval(self, level: float = LEVEL) -> tuple[float, float]:
+        if self.n < 2:
+            return float("nan"), float("nan")
+        if self.constant:
+            return self.centre, self.centre
+        z = self._logits()
         h = stats.t.ppf((1 + level) / 2, len(z) - 1) * z.std(ddof=1) / math.sqrt(len(z))
         lo, hi = z.mean() - h, z.mean() + h
         return float(1 / (1 + math.exp(-lo))), float(1 / (1 + math.exp(-hi)))
@@ -111,12 +144,51 @@ def ci_half_width(values: Iterable[float], level: float = LEVEL) -> float:
 
 def welch(a: Iterable[float], b: Iterable[float]) -> tuple[float, float, float]:
     """Welch's t statistic, its Welch-Satterthwaite degrees of freedom and the two-sided p-value (Table 7).
-    NaN when neither side has any spread (the test is undefined there)."""
+    NaN when a side has fewer than two seeds or neither side has any spread (the test is undefined there:
+    significance() says which)."""
     a, b = np.asarray(list(a), dtype=float), np.asarray(list(b), dtype=float)
     if len(a) < 2 or len(b) < 2 or (np.ptp(a) == 0 and np.ptp(b) == 0):
         return float("nan"), float("nan"), float("nan")
-    res = stats.ttest_ind(a, b, equal_var=False)
+    with warnings.catch_warnings():  # one side without spread is a valid case; scipy warns of "nearly identical" data
+        warnings.simplefilter("ignore", RuntimeWarning)
+        res = stats.ttest_ind(a, b, equal_var=False)
     return float(res.statistic), float(res.df), float(res.pvalue)
+
+
+def significance(a: Iterable[float], b: Iterable[float]) -> str:
+    """Welch's p-value as a table shows it, with the cases where the test is undefined said in words: unpaired,
+    because runs of different methods share nothing but the seed's number (their evaluations draw independent
+    samples, see gapo-eval --seed), so a paired test would pair unrelated noise."""
+    a, b = list(a), list(b)
+    if len(a) < 2 or len(b) < 2:
+        return "(n < 2: no test)"
+    if np.ptp(a) == 0 and np.ptp(b) == 0:
+        return "(no spread on either side: identical)" if a[0] == b[0] else \
+            "(no spread on either side: every seed differs the same way; no test)"
+    _, _, p = welch(a, b)
+    return f"{stars(p)} (p = {p:.2g})"
+
+
+def cmh(strata: list[tuple[float, float, float, float]]) -> tuple[float, float, float]:
+    """Cochran–Mantel–Haenszel test of two arms' event rates, stratified by seed: strata of (events_a, units_a,
+    events_b, units_b). Returns the Mantel–Haenszel common odds ratio (a over b), the continuity-corrected chi^2
+    (1 df) and its p-value; NaN where no stratum has both events and non-events. It uses the counts themselves
+    (every clip decision of every seed), so it treats decisions within a seed as independent: the seed-level
+    Welch on per-seed fractions stays beside it."""
+    num = den = dev = var = 0.0
+    for ea, ua, eb, ub in strata:
+        total, events = ua + ub, ea + eb
+        if total < 2 or events in (0, total):
+            continue
+        num += ea * (ub - eb) / total
+        den += eb * (ua - ea) / total
+        dev += ea - ua * events / total
+        var += ua * ub * events * (total - events) / (total**2 * (total - 1))
+    if var == 0:
+        return float("nan"), float("nan"), float("nan")
+    chi2 = (abs(dev) - 0.5) ** 2 / var if abs(dev) > 0.5 else 0.0
+    odds = num / den if den > 0 else float("inf")
+    return odds, chi2, float(stats.chi2.sf(chi2, 1))
 
 
 def stars(p: float) -> str:
@@ -196,7 +268,7 @@ def validation_estimates(groups: dict[str, list[Run]], step: int | None,
         notes.append(f"The runs' final validations are at different steps ({where}).")
         print(f"gapo-compare: warning: final validation at different steps ({where})", file=sys.stderr)
     benches = _bench_order(ref)
-    est = {label: {b: Estimate(tuple(finals[(label, i)][1][b] for i in range(len(runs)))) for b in benches}
+    est = {label: {b: ProportionEstimate(tuple(finals[(label, i)][1][b] for i in range(len(runs)))) for b in benches}
            for label, runs in groups.items()}
     return benches, est
 
@@ -239,24 +311,28 @@ def _fmt(x: float, percent: bool) -> str:
     return f"{100 * x:.2f}" if percent else f"{x:.4g}"
 
 
-def estimate_cell(e: Estimate | None, percent: bool) -> str:
+def estimate_cell(e: Estimate | None, percent: bool, expected: int | None = None) -> str:
+    """`expected`: the seeds asked for; a cell with fewer says how many it has of them."""
     if e is None or e.n == 0:
         return "–"
+    n = f"n = {e.n}" + (f" of {expected}" if expected and e.n < expected else "")
     if e.n < 2:
-        return f"{_fmt(e.mean, percent)} (n = 1)"
+        return f"{_fmt(e.centre, percent)} ({n})"
     if isinstance(e, ProportionEstimate):
         lo, hi = e.interval()
-        return f"{_fmt(e.mean, percent)} [{_fmt(lo, percent)}, {_fmt(hi, percent)}] (n = {e.n})"
-    return f"{_fmt(e.mean, percent)} ± {_fmt(e.half_width, percent)}" + ("" if percent else f" (n = {e.n})")
+        return f"{_fmt(e.centre, percent)} [{_fmt(lo, percent)}, {_fmt(hi, percent)}] ({n})"
+    return f"{_fmt(e.mean, percent)} ± {_fmt(e.half_width, percent)}" + \
+        ("" if percent and not (expected and e.n < expected) else f" ({n})")
 
 
 def difference_cell(a: Estimate | None, b: Estimate | None, percent: bool) -> str:
+    """The difference of the arithmetic means over seeds (what Welch's test is about), with its significance."""
     if a is None or b is None or a.n == 0 or b.n == 0:
         return "–"
     delta = a.mean - b.mean
-    _, _, p = welch(a.values, b.values)
     d = f"{100 * delta:+.2f}" if percent else f"{delta:+.4g}"
-    return f"{d}{stars(p)} (p = {p:.2g})" if math.isfinite(p) else f"{d} (p undefined)"
+    sig = significance(a.values, b.values)
+    return f"{d}{sig}" if sig.startswith("*") else f"{d} {sig.strip()}"
 
 
 def tables(columns: list[str], est: dict[str, dict[str, Estimate]], percent: bool) -> list[str]:
@@ -325,6 +401,39 @@ def _panels(groups: dict[str, list[Run]], keys: list[tuple[str, str]], title: st
     return finish(fig, _legend_runs(groups), f"{title}\n(mean over seeds ± {LEVEL:.0%} CI, Student-t{smoothed})")
 
 
+def pooled_clip_table(groups: dict[str, list[Run]], window: Window) -> list[str]:
+    """Low c (c <= k/2, GAPO's wide bounds) and high c against each pair of labels: the clip counts pooled over
+    seeds by a Cochran–Mantel–Haenszel test (seed i of one label against seed i of the other as a stratum)."""
+    totals = {lab: [clip_totals(r, window) for r in runs] for lab, runs in groups.items()}
+    half = max(int(r.config.get("rollout", {}).get("group_size", 8)) for runs in groups.values() for r in runs) / 2
+    labels = [lab for lab, ts in totals.items() if any(ts)]
+    if len(labels) < 2:
+        return []
+    out = ["", "## Clip counts pooled over seeds (Cochran–Mantel–Haenszel)", "",
+           "Correct rollouts' clip decisions over the window's off-policy updates, summed per seed over c ≤ k/2 "
+           "(low c) or c > k/2 (high c); each seed pair is a stratum. The common odds ratio is the first label's "
+           "odds of a clip over the second's. It counts every decision, so it is surer than the seed-level tests "
+           "above; read it beside them.", "", "| comparison | c | clipped / units (first) | clipped / units "
+           "(second) | odds ratio | χ² | p |", "|---|---|---|---|---|---|---|"]
+    for i, a in enumerate(labels):
+        for b in labels[i + 1:]:
+            for band, keep in (("low", lambda c: c <= half), ("high", lambda c: c > half)):
+                strata = []
+                for ta, tb in zip(totals[a], totals[b], strict=False):  # seeds paired by index; extras unpaired
+                    ea = sum(t.clipped for c, t in ta.items() if keep(c))
+                    ua = sum(t.units for c, t in ta.items() if keep(c))
+                    eb = sum(t.clipped for c, t in tb.items() if keep(c))
+                    ub = sum(t.units for c, t in tb.items() if keep(c))
+                    strata.append((ea, ua, eb, ub))
+                odds, chi2, p = cmh(strata)
+                sums = [sum(x[j] for x in strata) for j in range(4)]
+                test = (f"{odds:.3g} | {chi2:.3g} | {p:.2g}{stars(p)}" if math.isfinite(p)
+                        else "– | – | (no stratum with both outcomes: no test)")
+                out.append(f"| {md_cell(a)} vs {md_cell(b)} | {band} | {sums[0]:g} / {sums[1]:g} | "
+                           f"{sums[2]:g} / {sums[3]:g} | {test} |")
+    return out
+
+
 def fig_clip_vs_c(groups: dict[str, list[Run]], window: Window) -> Figure | None:
     per_label = {lab: [clip_totals(r, window) for r in runs] for lab, runs in groups.items()}
     cs = sorted({c for ts in per_label.values() for t in ts for c in t})
@@ -340,11 +449,11 @@ def fig_clip_vs_c(groups: dict[str, list[Run]], window: Window) -> Figure | None
                 e = ProportionEstimate(tuple(g.frac for g in got), counts=tuple((g.clipped, g.units) for g in got))
                 a, b = e.interval()
                 x.append(c + 0.06 * (i - (len(per_label) - 1) / 2))  # side by side, not on top of each other
-                m.append(e.mean)
-                lo.append(e.mean - a if math.isfinite(a) else 0.0)
-                hi.append(b - e.mean if math.isfinite(b) else 0.0)
+                m.append(e.centre)  # inside [a, b] and within [0, 1] by construction: no bar to clip
+                lo.append(e.centre - a if math.isfinite(a) else 0.0)
+                hi.append(b - e.centre if math.isfinite(b) else 0.0)
         style = run_style(i)
-        ax.errorbar(x, m, yerr=np.clip([lo, hi], 0, None), capsize=3, linewidth=1.7, label=lab, **style)
+        ax.errorbar(x, m, yerr=[lo, hi], capsize=3, linewidth=1.7, label=lab, **style)
     ax.set_xticks(cs)
     ax.set_xlim(cs[0] - 0.5, cs[-1] + 0.5)
     ax.set_xlabel("c (correct rollouts in the group)")
@@ -352,7 +461,8 @@ def fig_clip_vs_c(groups: dict[str, list[Run]], window: Window) -> Figure | None
     ax.set_ylim(0, 1.02)
     ax.set_title(f"off-policy updates, {window_text(window)}", fontsize=10)
     return finish(fig, _legend_runs(groups), f"Clip fraction of correct rollouts against c (paper Fig. 3)\n"
-                   f"(mean over seeds, {LEVEL:.0%} CI: Student-t on the logit scale, within [0, 1])", step_axis=False)
+                   f"(centre and {LEVEL:.0%} CI over seeds: Student-t on the logit scale, within [0, 1])",
+                   step_axis=False)
 
 
 def build_figures(groups: dict[str, list[Run]], window: Window = ALL_STEPS,
@@ -388,10 +498,13 @@ def write_report(out: Path, groups: dict[str, list[Run]], window: Window = ALL_S
     benches, val_est = validation_estimates(groups, val_step, notes)
     metrics, train_est = training_estimates(groups, window)
     lines = ["# gapo-compare", "",
-             f"Each cell is the mean over a label's seeds ± a {LEVEL:.0%} confidence interval (Student-t, df = seeds "
-             "− 1), as in the paper's Table 6. Δ is the first label's mean minus the second's, with the two-sided "
-             "p-value of Welch's t-test (unequal variances) as in Table 7: * p < 0.05, ** p < 0.01, "
-             "*** p < 0.001.", "", "## Runs", "", "| label | seeds | run directories |", "|---|---|---|"]
+             f"A fraction (pass@1, a clip fraction) shows its centre over a label's seeds and a {LEVEL:.0%} interval "
+             "[low, high]: Student-t on the logit scale (df = seeds − 1), mapped back, so both stay within [0, 1]; "
+             "seeds that all agree show their value and a zero-width interval. Other metrics show mean ± the "
+             "Student-t half-width, as in the paper's Table 6. n is the number of seeds with a value. Δ is the "
+             "first label's mean minus the second's, with the two-sided p-value of Welch's t-test (unequal "
+             "variances, unpaired) as in Table 7: * p < 0.05, ** p < 0.01, *** p < 0.001; where the test is "
+             "undefined the cell says why.", "", "## Runs", "", "| label | seeds | run directories |", "|---|---|---|"]
     lines += [f"| {md_cell(lab)} | {len(runs)} | {md_cell(', '.join(str(r.path) for r in runs))} |"
               for lab, runs in groups.items()]
     lines += ["", "## Final validation pass@1, % (Tables 6 and 7)", ""]
@@ -408,6 +521,7 @@ def write_report(out: Path, groups: dict[str, list[Run]], window: Window = ALL_S
               "metrics are each seed's mean over the window's logged steps. n is the number of seeds with a value.",
               ""]
     lines += tables(metrics, train_est, percent=False) if metrics else ["No training metrics in the window."]
+    lines += pooled_clip_table(groups, window)
     if notes:
         lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
     figures = build_figures(groups, window, smooth)

@@ -5,10 +5,12 @@ Reads `<run>/eval/<protocol>/step_N/results.json` of every run and seed of the m
 figures, each run's metrics.jsonl. Writes `<output_root>/<manifest>/compare/`:
 
 - table.md: the paper's layout (Tables 1-3, 8): one row per run, its clip range, the mean over the in-domain
-  benchmarks and each benchmark (IFEval apart), each cell "pass@1 / pass@k" as mean ± 95 % CI over seeds
-  (Student-t, df = seeds - 1, the paper's Table 6), then Table 7: for each pair in `compare.against`, the
-  difference of the pass@1 means with Welch's t-test (* p < 0.05, ** p < 0.01, *** p < 0.001);
-- table.csv: the same numbers, one line per run x benchmark x metric (mean, CI, n, the seeds' values);
+  benchmarks and each benchmark (IFEval apart), each cell "pass@1 / pass@k" as its centre and 95 % interval
+  over seeds (Student-t on the logit scale, df = seeds - 1, mapped back: within [0, 100] and around its centre;
+  the paper's Table 6 gives mean ± t-interval, which can leave [0, 100] with three seeds), n when seeds are
+  missing; then Table 7: for each pair in `compare.against`, the difference of the means of the first metric with
+  Welch's unpaired t-test (* p < 0.05, ** p < 0.01, *** p < 0.001), or why there is no test;
+- table.csv: the same numbers, one line per run x benchmark x metric (n, mean, centre, interval, the values);
 - the manifest's figures (`compare.figures`).
 
 A run or seed without its evaluation is a dash in the table and a line under "Missing", with the command that
@@ -19,7 +21,6 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +28,7 @@ from matplotlib.figure import Figure
 
 from gapo import rundir
 from gapo.config import fmt_eps, load_config
-from gapo.study.compare import Estimate, build_figures, ci_half_width, stars, welch
+from gapo.study.compare import Estimate, ProportionEstimate, build_figures, ci_half_width, significance
 from gapo.study.figures import load_run, md_cell, run_style
 from gapo.study.sweep import Job, Manifest, base_results, jobs, load_manifest
 
@@ -61,16 +62,20 @@ def estimates(m: Manifest, js: list[Job], found: dict, step: int, bench: str, k:
         vals = [found[(r.name, j.seed)][step][f"val/{bench}/pass@{k}"] for j in js
                 if j.run.name == r.name and step in found.get((r.name, j.seed), {})
                 and f"val/{bench}/pass@{k}" in found[(r.name, j.seed)][step]]
-        out[r.label or r.name] = Estimate(tuple(vals))
+        out[r.label or r.name] = ProportionEstimate(tuple(vals))
     return out
 
 
-def _cell(e: Estimate | None) -> str:
+def _cell(e: Estimate | None, seeds: int | None = None) -> str:
+    """A pass@k cell in %: its centre and 95 % interval over seeds (within [0, 100], ProportionEstimate); n when a
+    seed is missing."""
     if e is None or e.n == 0:
         return "–"
+    missing = f" (n = {e.n} of {seeds})" if seeds and e.n < seeds else ""
     if e.n == 1:
-        return f"{100 * e.mean:.1f} (n = 1)"
-    return f"{100 * e.mean:.1f} ± {100 * e.half_width:.1f}"
+        return f"{100 * e.centre:.1f}" + (missing or " (n = 1)")
+    lo, hi = e.interval()
+    return f"{100 * e.centre:.1f} [{100 * lo:.1f}, {100 * hi:.1f}]{missing}"
 
 
 def clip_range(m: Manifest, js: list[Job], name: str) -> tuple[str, str]:
@@ -90,8 +95,9 @@ def write(m: Manifest, root: str | Path | None, out: Path | None = None) -> Path
     labels = [r.label or r.name for r in m.runs]
     est = {(b, k): estimates(m, js, found, step, b, k) for b in benches for k in ks}
     shown = " / ".join(f"pass@{k}" for k in ks)
-    lines = [f"# {m.title}", "", f"{m.produces}, from `{m.name}`: {shown} in % at step {step}, mean ± 95 % CI over "
-             f"seeds {', '.join(map(str, m.seeds))} (Student-t, df = seeds − 1); protocol `{m.protocol_name}`. "
+    lines = [f"# {m.title}", "", f"{m.produces}, from `{m.name}`: {shown} in % at step {step}, centre [95 % "
+             f"interval] over seeds {', '.join(map(str, m.seeds))} (Student-t on the logit scale, df = seeds − 1, "
+             f"within [0, 100]; n shown where seeds are missing); protocol `{m.protocol_name}`. "
              f"`{IN_DOMAIN_MEAN}` is the average over the in-domain benchmarks (the paper's Avg.).", ""]
     head = ["Method", "eps_lo", "eps_hi", *benches]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -99,20 +105,23 @@ def write(m: Manifest, root: str | Path | None, out: Path | None = None) -> Path
     base = base_results(m, js) / "results.json"
     if m.base and base.is_file():
         got = json.loads(base.read_text())["metrics"]
-        cells = [" / ".join(_cell(Estimate((got[f"val/{b}/pass@{k}"],)) if f"val/{b}/pass@{k}" in got else None)
+        cells = [" / ".join(_cell(ProportionEstimate((got[f"val/{b}/pass@{k}"],))) if f"val/{b}/pass@{k}" in got
+                            else "–"
                             for k in ks) for b in benches]
         lines.append("| " + " | ".join(["Base (before training)", "", "", *cells]) + " |")
     for r, label in zip(m.runs, labels, strict=True):
         lo, hi = clip_range(m, js, r.name)
-        cells = [" / ".join(_cell(est[(b, k)][label]) for k in ks) for b in benches]
+        cells = [" / ".join(_cell(est[(b, k)][label], len(m.seeds)) for k in ks) for b in benches]
         lines.append("| " + " | ".join([md_cell(label), lo, hi, *cells]) + " |")
         for b in benches:
             for k in ks:
                 e = est[(b, k)][label]
-                rows.append([label, b, f"pass@{k}", step, e.n, e.mean if e.n else "",
-                             e.half_width if e.n > 1 else "", " ".join(f"{v:.6g}" for v in e.values)])
+                lo, hi = e.interval() if e.n > 1 else ("", "")
+                rows.append([label, b, f"pass@{k}", step, e.n, e.mean if e.n else "", e.centre if e.n else "", lo,
+                             hi, " ".join(f"{v:.6g}" for v in e.values)])
     if m.compare.against:
-        lines += ["", "## Pairwise significance of pass@1 (Table 7): Δ = ours − baseline, Welch's t-test", "",
+        lines += ["", f"## Pairwise significance of pass@{ks[0]} (Table 7): Δ = ours − baseline (means over seeds), "
+                  "Welch's t-test, unpaired", "",
                   "| Comparison | " + " | ".join(benches) + " |", "|" + "---|" * (len(benches) + 1)]
         for ours, theirs in m.compare.against.items():
             for base in theirs:
@@ -122,9 +131,9 @@ def write(m: Manifest, root: str | Path | None, out: Path | None = None) -> Path
                     if a.n == 0 or c.n == 0:
                         cells.append("–")
                         continue
-                    _, _, p = welch(a.values, c.values)
-                    delta = 100 * (a.mean - c.mean)
-                    cells.append(f"{delta:+.2f}{stars(p)}" + (f" (p = {p:.2g})" if math.isfinite(p) else ""))
+                    sig = significance(a.values, c.values)
+                    delta = f"{100 * (a.mean - c.mean):+.2f}"
+                    cells.append(delta + (sig if sig.startswith("*") else f" {sig.strip()}"))
                 lines.append(f"| {md_cell(ours)} vs {md_cell(base)} | " + " | ".join(cells) + " |")
     missing = [(j, s) for j in js for s in j.own_steps(m.eval.steps) if s not in found.get((j.run.name, j.seed), {})]
     if m.base and not base.is_file():
@@ -136,7 +145,8 @@ def write(m: Manifest, root: str | Path | None, out: Path | None = None) -> Path
                   for j, s in missing]
     with open(out / "table.csv", "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["method", "benchmark", "metric", "step", "seeds", "mean", "ci95_half_width", "values"])
+        w.writerow(["method", "benchmark", "metric", "step", "seeds", "mean", "centre", "ci95_low", "ci95_high",
+                    "values"])
         w.writerows(rows)
     figures = _figures(m, js, found, benches)
     if figures:
