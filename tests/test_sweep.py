@@ -119,18 +119,19 @@ def test_a_branch_is_evaluated_after_its_branch_point_and_reads_its_parents_befo
     assert "## Missing" not in md and (tmp_path / "fig7_intervention" / "compare" / "branch.png").is_file()
 
 
-def test_fig6_holds_rollouts_and_updates_per_step_fixed_across_k():
-    """Fig. 6 varies k alone: every run samples as many rollouts a step and takes as many optimizer steps on them
-    (at least two, so that something is off-policy and can clip)."""
+def test_fig6_varies_k_alone_prompts_and_updates_per_step_fixed():
+    """Fig. 6 changes only k: every run draws the same prompts a step and takes as many optimizer steps on them (at
+    least two, so that something is off-policy and can clip); the rollouts grow with k."""
     m = load_manifest("fig6_group_size")
     shapes = {}
     for j in jobs(m):
         cfg = load_config(j.config, j.args)
         rollouts = cfg.rollout.prompts_per_step * cfg.rollout.group_size
         updates = rollouts // cfg.trainer.ppo_mini_batch_size * cfg.trainer.ppo_epochs
-        shapes[cfg.rollout.group_size] = (rollouts, updates)
+        shapes[cfg.rollout.group_size] = (cfg.rollout.prompts_per_step, updates, rollouts)
     assert sorted(shapes) == [4, 8, 16]
-    assert len(set(shapes.values())) == 1 and next(iter(shapes.values()))[1] >= 2, shapes
+    assert {(p, u) for p, u, _ in shapes.values()} == {(128, 2)}, shapes
+    assert [shapes[k][2] for k in (4, 8, 16)] == [512, 1024, 2048]
 
 
 def test_fig6_is_drawn_against_k_from_the_evaluations(tmp_path):
