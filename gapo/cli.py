@@ -26,6 +26,9 @@ def train_main(argv: list[str] | None = None) -> int:
     p.add_argument("--verbose", action="store_true",
                    help="show every library's output on the console (by default it goes to <output_dir>/train.log)")
     p.add_argument("--nproc", type=int, default=1, help="local ranks to start (torchrun); default 1")
+    p.add_argument("--plan", metavar="GB[,GB...]", nargs="?", const="24,48,80",
+                   help="print the memory plan per GPU for these GPU sizes (default 24,48,80) under each "
+                        "trainer.offload option, which fit, and this config's own plan; then exit")
     p.add_argument("--resume", metavar="PATH", help="run directory (its latest checkpoint) or checkpoint directory")
     p.add_argument("--rehearse", action="store_true",
                    help="before a real run: resolve it exactly, check the model's context and the data, then train "
@@ -51,6 +54,22 @@ def train_main(argv: list[str] | None = None) -> int:
         sys.stdout.write(dump_config(cfg, comments=True))
         # As YAML comments, so the output stays a config file.
         sys.stdout.write("".join(f"# {line}\n" for line in text.splitlines()))
+        return 0
+    if args.plan is not None:
+        from gapo.memory import offload_table, plan_text
+
+        try:
+            sizes = [float(x) for x in args.plan.split(",")]
+        except ValueError:
+            print(f"gapo-train: --plan {args.plan}: expected GPU sizes in GB separated by commas, e.g. 24,48",
+                  file=sys.stderr)
+            return 2
+        with contextlib.redirect_stdout(sys.stderr):  # libraries that a built-in model loads print to stdout
+            table = offload_table(cfg, args.nproc, sizes)
+            own = [plan_text(cfg, args.nproc, g)[0] for g in sizes]
+        print(table)
+        for g, text in zip(sizes, own, strict=True):
+            print(f"\nThis config on a {g:g} GB GPU:\n{text}")
         return 0
     if args.rehearse:
         return _rehearse(cfg, args.nproc, args.verbose)

@@ -328,6 +328,19 @@ class RewardConfig(_Section):
                            "rarely boxes).")
 
 
+class OffloadConfig(_Section):
+    """DeepSpeed ZeRO offload to host memory: what a single GPU trades for a larger model (gapo/memory.py prices it;
+    `gapo-train --plan` lists what fits). The optimizer step then runs on the CPU (torch AdamW over the offloaded
+    fp32 partitions), and offloaded weights travel to the GPU layer by layer in every forward and backward."""
+
+    optimizer: Literal["none", "cpu"] = Field(
+        "none", description="cpu: fp32 master weights, Adam's moments and the fp32 gradients live in host memory "
+                            "(ZeRO stage >= 1; one rank runs stage 2).")
+    params: Literal["none", "cpu"] = Field(
+        "none", description="cpu: the model's weights too (ZeRO-3 only; one rank runs stage 3); needs "
+                            "optimizer=cpu.")
+
+
 class TrainerConfig(_Section):
     output_dir: str | None = Field(
         None, description="The run's directory; null: runs/<config>/<method>/seed<seed>, the method being the "
@@ -364,7 +377,9 @@ class TrainerConfig(_Section):
                           "(the k rollouts of a group repeat their prompt). Same result to rounding; off with "
                           "gradient checkpointing in training.")
     zero_stage: Literal[0, 1, 2, 3] = Field(
-        3, description="DeepSpeed ZeRO stage; with one rank, DeepSpeed runs at stage 0 (nothing to partition).")
+        3, description="DeepSpeed ZeRO stage; with one rank, DeepSpeed runs at stage 0 (nothing to partition), "
+                       "unless trainer.offload needs a stage.")
+    offload: OffloadConfig = Field(default_factory=OffloadConfig)
     seed: int = 0
     resume_from: str | None = Field(
         None, description="Continue from a checkpoint (a run directory -> its latest, or a checkpoint directory; "
@@ -391,6 +406,18 @@ class TrainerConfig(_Section):
         True, description="On a GPU, refuse to start when the memory plan (gapo/memory.py, estimates) does not fit "
                           "the device.")
 
+
+    @model_validator(mode="after")
+    def _offload_has_its_stage(self) -> TrainerConfig:
+        o = self.offload
+        if o.params == "cpu" and o.optimizer != "cpu":
+            raise ValueError("trainer.offload.params=cpu needs trainer.offload.optimizer=cpu (DeepSpeed offloads "
+                             "weights only together with the optimizer state)")
+        need = 3 if o.params == "cpu" else 1 if o.optimizer == "cpu" else 0
+        if self.zero_stage < need:
+            raise ValueError(f"trainer.offload ({'params' if need == 3 else 'optimizer'}=cpu) needs "
+                             f"trainer.zero_stage >= {need}, not {self.zero_stage}")
+        return self
 
     @model_validator(mode="after")
     def _kept_steps_are_saved(self) -> TrainerConfig:
@@ -471,9 +498,15 @@ class Config(_Section):
     def zero_stage(self, world: int) -> int:
         """The ZeRO stage DeepSpeed runs at: trainer.zero_stage on several ranks; on one rank nothing is partitioned,
         so stage 0 in fp32 and stage 1 in bf16 (DeepSpeed accumulates stage-0 bf16 gradients in bf16 and refuses
-        fp32 accumulation there, while its stage-1 bf16 optimizer keeps fp32 gradients)."""
+        fp32 accumulation there, while its stage-1 bf16 optimizer keeps fp32 gradients), or the stage an offload
+        needs."""
+        o = self.trainer.offload
         if world > 1:
             return self.trainer.zero_stage
+        if o.params == "cpu":
+            return 3  # weights offloaded: only ZeRO-3 holds them outside the GPU, even on one rank
+        if o.optimizer == "cpu":
+            return 2  # ZeRO-Offload's stage on one GPU: gradients and optimizer state go to the host
         return 1 if self.model.dtype == "bfloat16" else 0
 
     def shape(self, world: int) -> BatchShape:

@@ -126,13 +126,19 @@ def kv_bytes_per_token(facts: dict, dtype_bytes: int) -> int:
     return 2 * n_layers * kv * hd * dtype_bytes
 
 
-def trainer_state_bytes(params: int, dtype: str, zero_stage: int, world: int) -> int:
-    """Weights, gradients and optimizer state of one rank. ZeRO stage 1 partitions the optimizer state over
-    the ranks, stage 2 also the gradients, stage 3 also the weights."""
+def trainer_state_bytes(params: int, dtype: str, zero_stage: int, world: int, offload_optimizer: bool = False,
+                        offload_params: bool = False) -> tuple[int, int]:
+    """(on the GPU, in host memory): weights, gradients and optimizer state of one rank. ZeRO stage 1 partitions the
+    optimizer state over the ranks, stage 2 also the gradients, stage 3 also the weights. Offloading the optimizer
+    moves its state and the fp32 gradient partitions to the host (the GPU keeps the reduce bucket, counted apart);
+    offloading the weights moves them too (the layer being gathered is in OVERHEAD's ZeRO-3 share)."""
     w, g, opt = STATE_BYTES[dtype]
     w, g, opt = params * w, params * g, params * opt
-    return math.ceil((w if zero_stage < 3 else w / world) + (g if zero_stage < 2 else g / world)
-                     + (opt if zero_stage < 1 else opt / world))
+    w = w if zero_stage < 3 else w / world
+    g = g if zero_stage < 2 else g / world
+    opt = opt if zero_stage < 1 else opt / world
+    host = (g + opt if offload_optimizer else 0) + (w if offload_params else 0)
+    return math.ceil(w + g + opt - host), math.ceil(host)
 
 
 def activation_bytes(facts: dict, tokens: int, seq_len: int, dtype_bytes: int,
@@ -165,6 +171,7 @@ class MemoryPlan:
     kv_cache_needed: int  # every sequence of this rank's step at full length, at once
     kv_one_sequence: int  # one sequence of max_model_len: vLLM refuses to start with less
     trainer_states: int
+    host_states: int  # what trainer.offload keeps in host memory instead (not in the GPU's peak)
     activations: int
     attention_mask: int
     logits: int
@@ -221,6 +228,10 @@ def memory_plan(cfg: Config, facts: dict, world: int, device_gb: float = 80.0) -
         kv_given = int(r.kv_cache_gb * GiB)
     else:
         kv_given = max(0, int(r.gpu_memory_utilization * device_gb * GiB) - weights - VLLM_RESERVE)
+    offload = cfg.trainer.offload
+    stage = cfg.zero_stage(world)
+    states, host = trainer_state_bytes(params, m.dtype, stage, world, offload.optimizer == "cpu",
+                                       offload.params == "cpu")
     per_token = kv_bytes_per_token(facts, b)
     seq_len = d.max_prompt_tokens + r.max_new_tokens
     max_model_len = d.max_prompt_tokens + max(r.max_new_tokens, cfg.eval.max_new_tokens)
@@ -228,22 +239,26 @@ def memory_plan(cfg: Config, facts: dict, world: int, device_gb: float = 80.0) -
     activations, mask = activation_bytes(facts, tokens, padded, b, m.gradient_checkpointing)
     _, _, _, _, _, _, vocab = _shape(facts)
     return MemoryPlan(
-        params=params, dtype=m.dtype, zero_stage=cfg.trainer.zero_stage, world=world, micro_batch_tokens=tokens,
+        params=params, dtype=m.dtype, zero_stage=stage, world=world, micro_batch_tokens=tokens,
         sleep=r.sleep_between_steps, vllm_weights=weights, vllm_reserve=VLLM_RESERVE, kv_cache_given=kv_given,
         kv_cache_needed=cfg.shape(world).rollouts * seq_len * per_token,
         kv_one_sequence=max_model_len * per_token,
         # A KL penalty keeps a frozen reference copy of the weights, partitioned like the actor's.
-        trainer_states=trainer_state_bytes(params, m.dtype, cfg.trainer.zero_stage, world)
-        + (math.ceil(weights / (world if cfg.trainer.zero_stage == 3 else 1)) if cfg.algorithm.kl_coef > 0 else 0),
+        trainer_states=states
+        + (math.ceil(weights / (world if stage == 3 else 1)) if cfg.algorithm.kl_coef > 0 else 0),
+        host_states=host,
         activations=activations, attention_mask=mask,
         logits=LOGIT_CHUNK * vocab * b + vocab * facts["hidden_size"] * b,
-        **zero_buffer_bytes(params, cfg.zero_stage(world), world))
+        **zero_buffer_bytes(params, stage, world, offload.optimizer == "cpu"))
 
 
-def zero_buffer_bytes(params: int, zero_stage: int, world: int) -> dict[str, int]:
+def zero_buffer_bytes(params: int, zero_stage: int, world: int, offload: bool = False) -> dict[str, int]:
     """reduce_bucket: REDUCE_BUCKET fp32 elements (or all the gradients if fewer), which DeepSpeed allocates when
-    the engine is built and keeps, so it is there while vLLM generates too; zero_buffers: per optimizer step, the
-    flattened fp32 gradient partition and the fused AdamW's temporary of the same size."""
+    the engine is built and keeps, so it is there while vLLM generates too (with an offloaded optimizer it is the
+    staging buffer to the host, one rank included); zero_buffers: per optimizer step on the GPU, the flattened fp32
+    gradient partition and the fused AdamW's temporary of the same size (on the host when offloaded)."""
+    if offload:
+        return {"reduce_bucket": min(REDUCE_BUCKET, params) * 4, "zero_buffers": 0}
     if world == 1 or zero_stage < 2:
         return {"reduce_bucket": 0, "zero_buffers": 0}
     return {"reduce_bucket": min(REDUCE_BUCKET, params) * 4, "zero_buffers": 2 * math.ceil(params / world) * 4}
@@ -271,6 +286,8 @@ def format_plan(plan: MemoryPlan, device_gb: float) -> str:
         ("CUDA / NCCL / ZeRO overhead", plan.overhead, ""),
     ]
     lines = [f"  {name:<32}{gb(x)}  {note}".rstrip() for name, x, note in rows]
+    if plan.host_states:
+        lines.append(f"  {'(offloaded to host memory)':<32}{gb(plan.host_states)}  per rank, not on the GPU")
     rule = "  " + "-" * 40
     lines.append(rule)
     if plan.sleep:
@@ -297,3 +314,31 @@ def plan_text(cfg: Config, world: int, device_gb: float | None) -> tuple[str, bo
     plan = memory_plan(cfg, facts, world, size)
     where = (f"{world} ranks" if world > 1 else "1 rank") + ("" if device_gb else ", for an 80 GB GPU (none here)")
     return f"{format_plan(plan, size)}\n  ({cfg.model.path}, {where})", plan.fits(size)
+
+
+OFFLOAD_OPTIONS = {"none": ("none", "none"), "optimizer": ("cpu", "none"), "optimizer + params": ("cpu", "cpu")}
+
+
+def offload_table(cfg: Config, world: int, sizes: list[float]) -> str:
+    """`gapo-train --plan`: the peak per GPU of `cfg` under each trainer.offload option, for each GPU size, and
+    which fit; the config's own option is marked. With one rank an offload also sets the ZeRO stage it needs."""
+    from gapo.config import OffloadConfig
+    from gapo.models import model_facts
+
+    facts = model_facts(cfg.model.path)
+    if not facts:
+        return f"No memory plan: no config.json for {cfg.model.path} (local, hub cache or known models)."
+    own = (cfg.trainer.offload.optimizer, cfg.trainer.offload.params)
+    head = f"  {'trainer.offload':<22}{'host / rank':>12}" + "".join(f"{f'{g:g} GB GPU':>20}" for g in sizes)
+    lines = [f"Peak per GPU by trainer.offload ({cfg.model.path}, {world} rank{'s' if world > 1 else ''}, GB = GiB):",
+             head]
+    for name, (optimizer, params) in OFFLOAD_OPTIONS.items():
+        trainer = cfg.trainer.model_copy(update={"offload": OffloadConfig(optimizer=optimizer, params=params)})
+        option = cfg.model_copy(update={"trainer": trainer})
+        cells = ""
+        for g in sizes:
+            plan = memory_plan(option, facts, world, g)
+            cells += f"{plan.total / GiB:>11.1f} {'fits' if plan.fits(g) else 'NO':>8}"
+        mark = " (this config)" if (optimizer, params) == own else ""
+        lines.append(f"  {name + mark:<22}{plan.host_states / GiB:>12.1f}{cells}")
+    return "\n".join(lines)

@@ -39,12 +39,14 @@ def weights(actor: Actor) -> dict[str, torch.Tensor]:
     return {name: t.detach().float().clone() for name, t in actor.gathered_weights()}
 
 
-def main(out_path: str, dtype: str, stage: int) -> None:
+def main(out_path: str, dtype: str, stage: int, offload: str = "none") -> None:
     rank, world = init_distributed()
     # A schedule that moves at every optimizer step, so that a skipped step advancing it would show.
     cfg = resolve({"model": {"path": "tiny-qwen2", "dtype": dtype},
                    "trainer": {"zero_stage": stage, "micro_batch_size": 2, "ppo_mini_batch_size": 4 * world,
-                               "lr": 1e-3, "lr_schedule": "cosine", "total_steps": 6, "warmup_steps": 1},
+                               "lr": 1e-3, "lr_schedule": "cosine", "total_steps": 6, "warmup_steps": 1,
+                               "offload": {"optimizer": "cpu" if offload != "none" else "none",
+                                           "params": "cpu" if offload == "params" else "none"}},
                    "rollout": {"prompts_per_step": world, "group_size": 4}})
     model_dir = str(resolve_model("tiny-qwen2"))
     result = {}
@@ -66,6 +68,7 @@ def main(out_path: str, dtype: str, stage: int) -> None:
         result[f"lr_end_{poison}"] = actor.lr()
         result["linear_restored"] = torch.nn.functional.linear is LINEAR
         result["reduce_bucket"] = actor.engine.zero_reduce_bucket_size()
+        result["offloaded"] = [bool(actor.engine.zero_offload_optimizer()), bool(actor.engine.zero_offload_param())]
     result["same_end"] = all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0])
     dist.barrier()
     with open(f"{out_path}.{rank}", "w") as f:
@@ -73,5 +76,5 @@ def main(out_path: str, dtype: str, stage: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), *sys.argv[4:])
     leave_distributed()

@@ -5,15 +5,19 @@ import pytest
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("dtype, stage, nproc, ran_at", [
-    ("float32", 3, 1, 0),  # one rank: stage 0, where DeepSpeed itself would apply a NaN step
-    ("bfloat16", 3, 1, 1),  # one rank in bf16: stage 1 (fp32 accumulation is refused at stage 0)
-    ("bfloat16", 3, 2, 3),
-    ("float32", 2, 2, 2),
+@pytest.mark.parametrize("dtype, stage, nproc, ran_at, offload", [
+    ("float32", 3, 1, 0, "none"),  # one rank: stage 0, where DeepSpeed itself would apply a NaN step
+    ("bfloat16", 3, 1, 1, "none"),  # one rank in bf16: stage 1 (fp32 accumulation is refused at stage 0)
+    ("bfloat16", 3, 2, 3, "none"),
+    ("float32", 2, 2, 2, "none"),
+    # trainer.offload (ZeRO-Offload on DeepSpeed's CPU accelerator): one rank runs the stage the offload needs
+    ("float32", 3, 1, 2, "optimizer"),
+    ("float32", 3, 2, 3, "params"),
 ])
-def test_actor_accumulates_in_fp32_and_skips_a_nan_step(torchrun, dtype, stage, nproc, ran_at):
-    for res in torchrun("dist_actor_check.py", dtype, str(stage), nproc=nproc):
+def test_actor_accumulates_in_fp32_and_skips_a_nan_step(torchrun, dtype, stage, nproc, ran_at, offload):
+    for res in torchrun("dist_actor_check.py", dtype, str(stage), offload, nproc=nproc):
         assert res["stage"] == ran_at
+        assert res["offloaded"] == [offload != "none", offload == "params"]
         if dtype == "bfloat16":
             assert (res["model_dtype"], res["accum_dtype"], res["comm_dtype"]) == (
                 "torch.bfloat16", "torch.float32", "torch.float32")

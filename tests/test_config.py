@@ -233,3 +233,34 @@ def test_paper_configs_carry_the_paper_values():
 def test_one_description_of_each_clip_rule_for_every_display(name, words):
     """The console header, the rehearsal report and gapo-plot all show the rule through describe()."""
     assert resolve({"algorithm": {"name": name}}).algorithm.describe() == words
+
+
+def test_offload_sets_the_stage_it_needs_and_refuses_what_deepspeed_cannot_do():
+    from gapo.config import resolve
+
+    one = resolve({"trainer": {"offload": {"optimizer": "cpu"}}})
+    assert one.zero_stage(1) == 2 and one.zero_stage(4) == 3  # one rank: ZeRO-Offload's stage; several: as set
+    assert resolve({"trainer": {"offload": {"optimizer": "cpu", "params": "cpu"}}}).zero_stage(1) == 3
+    with pytest.raises(ConfigError, match="trainer.offload.params=cpu needs trainer.offload.optimizer=cpu"):
+        resolve({"trainer": {"offload": {"params": "cpu"}}})
+    with pytest.raises(ConfigError, match=r"needs trainer.zero_stage >= 3, not 2"):
+        resolve({"trainer": {"zero_stage": 2, "offload": {"optimizer": "cpu", "params": "cpu"}}})
+    with pytest.raises(ConfigError, match=r"needs trainer.zero_stage >= 1, not 0"):
+        resolve({"trainer": {"zero_stage": 0, "offload": {"optimizer": "cpu"}}})
+
+
+def test_the_one_gpu_recipe_fits_24_and_48_gb_and_prices_its_host_memory():
+    from gapo.memory import GiB, memory_plan, offload_table
+    from gapo.models import model_facts
+
+    cfg = load_config("qwen_math_1gpu")
+    facts = model_facts(cfg.model.path)
+    for gb in (24, 48):
+        plan = memory_plan(cfg, facts, world=1, device_gb=gb)
+        assert plan.fits(gb) and plan.zero_stage == 2, (gb, plan.total / GiB)
+        assert 20 < plan.host_states / GiB < 26  # fp32 master + Adam moments + fp32 gradients of 1.54 B params
+    full = memory_plan(load_config("qwen_math"), facts, world=1, device_gb=48)
+    assert not full.fits(48) and full.host_states == 0
+    table = offload_table(cfg, 1, [24.0, 48.0]).splitlines()
+    assert any(line.strip().startswith("optimizer (this config)") and line.count("fits") == 2 for line in table)
+    assert any(line.strip().startswith("none ") and line.count("NO") == 2 for line in table)

@@ -110,8 +110,8 @@ def test_kv_bytes_per_token():
 ])
 def test_trainer_states_under_each_zero_stage(dtype, expected):
     for stage, n in expected.items():
-        assert trainer_state_bytes(1000, dtype, stage, world=4) == n, stage
-        assert trainer_state_bytes(1000, dtype, stage, world=1) == expected[0]  # one rank: nothing to split
+        assert trainer_state_bytes(1000, dtype, stage, world=4) == (n, 0), stage
+        assert trainer_state_bytes(1000, dtype, stage, world=1) == (expected[0], 0)  # one rank: nothing to split
 
 
 def test_activation_bytes_by_hand():
@@ -136,7 +136,7 @@ def test_plan_of_a_small_config_by_hand():
     assert plan.vllm_weights == 2 * p
     assert plan.kv_cache_given == 4 * GiB - 2 * p - VLLM_RESERVE
     assert plan.kv_cache_needed == 4 * 4 * 100 * 256  # 4 prompts per rank x 4 rollouts x 100 tokens x 256 B
-    assert plan.trainer_states == trainer_state_bytes(p, "bfloat16", 2, 2)
+    assert plan.trainer_states == trainer_state_bytes(p, "bfloat16", 2, 2)[0]
     assert plan.micro_batch_tokens == 400
     assert plan.overhead == OVERHEAD
     assert plan.fits(8) and not plan.fits(4)

@@ -148,6 +148,15 @@ class Actor:
             "zero_optimization": {"stage": self.zero_stage, "reduce_bucket_size": REDUCE_BUCKET},
             "wall_clock_breakdown": False,
         }
+        o = t.offload
+        if o.optimizer == "cpu":
+            # Pinned host buffers need CUDA; the step runs our torch AdamW on the host partitions (DeepSpeed asks for
+            # its CPU Adam op by default, a JIT build; GPU only: unverified here).
+            pin = torch.cuda.is_available()
+            ds_config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
+            if o.params == "cpu":
+                ds_config["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": pin}
+            ds_config["zero_force_ds_cpu_optimizer"] = False
         if load_universal and self.zero_stage > 0:  # resuming a checkpoint of another world size (checkpoint.reshard)
             ds_config["checkpoint"] = {"load_universal": True}
         if bf16:
