@@ -39,7 +39,7 @@ def _write_seed(d: Path, algo: str, seed: int, benches: tuple[str, ...] = ("aime
             lines.append({"step": step, "reward/mean": 0.2 + 0.01 * step, "entropy": 1 - 0.01 * step + 0.1 * seed,
                           "clip_frac": 0.1, "is_adv_corr": 0.5, "all/clip_frac": 0.05,
                           # c = 1: one of 4 + seed units clipped at the steps with (step + seed) % 3 == 0
-                          "clip_frac/c1": float((step + seed) % 3 == 0) / (4 + seed),
+                          "clip_frac/c1": float((step + seed) % 3 == 0) / (4 + seed), "is_ratio/c1": 1.0 + 0.001 * step,
                           "clip_hi/c1": float((step + seed) % 3 == 0), "clip_units/c1": 4.0 + seed,
                           "n_correct/c1": 4.0 + seed})
         if step % 5 == 0:  # validation as the loop logs it: a line of summary() after the step's, also in val/
@@ -127,7 +127,8 @@ def test_report_cells_and_figures(seeds, tmp_path, capsys):
     assert "| gapo vs gspo | low | 6 / 90 | 6 / 90 | 1 | 0 | 1 |" in pooled
     assert "| gapo vs gspo | high | 0 / 0 | 0 / 0 | – | – | (no stratum with both outcomes: no test) |" in pooled
     assert "steps 3–8" in md
-    for name in ("clip_by_c.png", "clip_vs_c.png", "is_adv_corr.png", "val_pass.png", "coverage.png", "training.png"):
+    for name in ("is_ratio_by_c.png", "clip_by_c.png", "clip_vs_c.png", "is_adv_corr.png", "val_pass.png",
+                 "coverage.png", "training.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
         assert f"]({name})" in md
     assert "wrote" in capsys.readouterr().out

@@ -5,8 +5,9 @@
 Per label: the mean over its seeds ± a 95 % confidence interval (Student-t, df = seeds - 1) of the final
 validation pass@1 per benchmark and of training metrics over a window of steps. Per pair of labels: the
 difference of the means and Welch's t-test (unequal variances) on it. Writes DIR/compare.md with those tables
-and, with mean ± CI bands across seeds over steps, the figures of gapo-plot: clip_by_c.png and clip_vs_c.png
-(Fig. 3), val_pass.png (Fig. 4), is_adv_corr.png (Fig. 5), coverage.png (Fig. 8) and training.png.
+and, with mean ± CI bands across seeds over steps, the figures of gapo-plot: is_ratio_by_c.png (Fig. 1),
+clip_by_c.png and clip_vs_c.png (Fig. 3), val_pass.png (Fig. 4), is_adv_corr.png (Fig. 5), coverage.png (Fig. 8)
+and training.png.
 Reads what gapo-plot reads (metrics.jsonl and config.yaml), with its loader.
 """
 
@@ -469,6 +470,7 @@ def build_figures(groups: dict[str, list[Run]], window: Window = ALL_STEPS,
                   smooth: int = 1) -> dict[str, Figure | None]:
     all_runs = [r for runs in groups.values() for r in runs]
     cs = sorted({int(k.split("/c")[1]) for r in all_runs for k in r.series if re.match(r"^clip_frac/c\d+$", k)})
+    ratio_cs = sorted({int(k.split("/c")[1]) for r in all_runs for k in r.series if re.match(r"^is_ratio/c\d+$", k)})
     benches = _bench_order({m.group(1) for r in all_runs for k in r.series if (m := _VAL_PASS1.match(k))})
     cover = _bench_order({m.group(1) for r in all_runs for k in r.series if (m := _VAL_COVERAGE.match(k))})
     figs: dict[str, Figure | None] = {
@@ -476,6 +478,9 @@ def build_figures(groups: dict[str, list[Run]], window: Window = ALL_STEPS,
                                  "Clip fraction of correct rollouts by c, off-policy updates (paper Fig. 3)", smooth,
                                  max_cols=4, sharey=True),
         "clip_vs_c.png": fig_clip_vs_c(groups, window),
+        "is_ratio_by_c.png": _panels(groups, [(f"is_ratio/c{c}", f"c = {c}") for c in ratio_cs],
+                                     "IS ratio of correct rollouts by c, off-policy updates (paper Fig. 1)", smooth,
+                                     max_cols=4, sharey=True) if ratio_cs else None,
         "is_adv_corr.png": _panels(groups, [("is_adv_corr", "over rollouts with A ≠ 0, off-policy updates")],
                                    "IS ratio – advantage correlation (paper Fig. 5)", smooth),
         "val_pass.png": _panels(groups, [(f"val/{b}/pass@1", f"{b} pass@1") for b in benches],

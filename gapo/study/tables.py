@@ -164,12 +164,13 @@ def _figures(m: Manifest, js: list[Job], found: dict, benches: list[str]) -> dic
     want = set(m.compare.figures)
     figs: dict[str, Figure | None] = {}
     groups = {}
-    if want & {"clip_vs_c", "is_adv_corr", "training"}:
+    if want & {"is_ratio_by_c", "clip_vs_c", "is_adv_corr", "training"}:
         for r in m.runs:
             dirs = [j.out for j in js if j.run.name == r.name and (j.out / rundir.METRICS).is_file()]
             if dirs:
                 groups[r.label or r.name] = [load_run(d, f"{r.label or r.name} seed {i}") for i, d in enumerate(dirs)]
-        names = {"clip_vs_c": "clip_vs_c.png", "is_adv_corr": "is_adv_corr.png", "training": "training.png"}
+        names = {"is_ratio_by_c": "is_ratio_by_c.png", "clip_vs_c": "clip_vs_c.png", "is_adv_corr": "is_adv_corr.png",
+                 "training": "training.png"}
         built = build_figures(groups) if groups else {}
         figs.update({names[w]: built.get(names[w]) for w in want & set(names)})
     if "eval_over_steps" in want:
