@@ -44,18 +44,16 @@ from gapo.trainer.actor import Actor
 from gapo.trainer.logprobs import MicroBatch, pack_step
 from gapo.trainer.losses import (
     GroupAdvantages,
-    MismatchStats,
     RolloutStats,
     StepNorm,
     clip_high,
     group_advantages,
     kl_penalty,
-    mismatch_stats,
     policy_loss,
     rollout_weights,
 )
 from gapo.trainer.preempt import Preempted
-from gapo.trainer.step_metrics import RankStep, step_metrics
+from gapo.trainer.step_metrics import MismatchStats, RankStep, mismatch_stats, step_metrics
 
 log = logging.getLogger("gapo.train")
 
