@@ -11,8 +11,8 @@ import pytest
 import yaml
 from scipy import stats
 
+from gapo.evaluation import BenchResult, summary, write_results
 from gapo.study.compare import ci_half_width, load_groups, main, training_estimates, welch
-from gapo.study.evaluate import BenchResult, summary, write_results
 
 # Student-t quantile q with 2 degrees of freedom in closed form, (2q - 1) / sqrt(2q(1 - q)), at q = 0.975:
 # 4.30265272975 (printed tables round it to 4.303).

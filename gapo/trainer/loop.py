@@ -31,13 +31,13 @@ from gapo import console, rundir
 from gapo.config import Config, ConfigError
 from gapo.data import Problem, Sampler, stop_token_ids, tokenize_problems
 from gapo.distributed import gather, init_distributed
+from gapo.evaluation import Bench, evaluate, load_benchmark, summary, write_results
 from gapo.memory import plan_text
 from gapo.models import check_context_budget, resolve_model
 from gapo.reward.registry import check_rewards, score_groups, training_set
 from gapo.reward.types import RewardResult, status_counts
 from gapo.rollout.engine import Engine, build_engine
 from gapo.rollout.types import Rollout, SamplingConfig
-from gapo.study.evaluate import Bench, evaluate, load_benchmark, summary, write_results
 from gapo.tracking import Tracker
 from gapo.trainer import checkpoint, preempt
 from gapo.trainer.actor import Actor
