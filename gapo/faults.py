@@ -3,8 +3,9 @@ purpose, so that a test can watch the run recover (or stop) the way a real failu
 
 An environment variable rather than a test double, because the faults must fire inside the gapo-train processes
 that the end-to-end tests start, under torchrun, at a given step or on a given rank: a monkeypatch in the test's
-own process reaches none of them. This one function is the only reader, so the faults in use are found by
-searching for `requested(`:
+own process reaches none of them. This one function is meant to be the only reader, so that the faults in use
+are found by searching for `requested(` (the loop's and the checkpoint's reads still name the variable
+themselves: their files are being reworked under issue 34, and switch to this function with it):
 
     score_raise:<problem uid>      gapo.reward.registry: scoring a batch holding that problem raises
     signal:<step>                  the loop: rank 0 sends itself SIGTERM at the start of that step (preemption)
