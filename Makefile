@@ -64,7 +64,7 @@ demo-compare: install
 	  $(CMP_RUN) algorithm.name=gapo trainer.seed=$$s trainer.output_dir=runs/demo_compare/gapo_s$$s || exit 1; \
 	  $(CMP_RUN) algorithm.name=gspo trainer.seed=$$s trainer.output_dir=runs/demo_compare/gspo_s$$s || exit 1; \
 	done
-	$(BIN)/gapo-compare --out runs/demo_compare/report \
+	$(BIN)/gapo-compare seeds --out runs/demo_compare/report \
 	  gapo=$$(echo $(CMP_SEEDS) | sed 's|\([0-9]*\)|runs/demo_compare/gapo_s\1|g; s| |,|g') \
 	  gspo=$$(echo $(CMP_SEEDS) | sed 's|\([0-9]*\)|runs/demo_compare/gspo_s\1|g; s| |,|g')
 	$(BIN)/gapo-plot runs/demo_compare/gapo_s0 runs/demo_compare/gspo_s0 --out runs/demo_compare/plots

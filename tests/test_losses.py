@@ -15,13 +15,10 @@ from gapo.trainer.losses import (
     clip_high,
     gapo_clip_high,
     group_advantages,
-    group_metrics,
     kl_penalty,
-    loss_metrics,
     policy_loss,
-    update_metrics,
 )
-from gapo.trainer.step_metrics import RankStep
+from gapo.trainer.step_metrics import RankStep, group_metrics, loss_metrics, update_metrics
 
 # ---------------------------------------------------------------- eq. 8
 

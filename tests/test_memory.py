@@ -163,13 +163,6 @@ def test_a_token_budget_sets_the_micro_batch_size():
     assert plan.activations < memory_plan(cfg, R1, world=8).activations / 5
 
 
-def test_logit_chunk_mirrors_the_actor():
-    logprobs = pytest.importorskip("gapo.trainer.logprobs")
-    from gapo import memory
-
-    assert (memory.LOGIT_CHUNK, memory.LOGPROB_ROWS) == (logprobs.LOGIT_CHUNK, logprobs.ROWS)
-
-
 def test_zero3_buffers_are_planned():
     """ZeRO's persistent reduce bucket (set explicitly in the actor, REDUCE_BUCKET fp32 elements) and, per
     optimizer step, a flat fp32 copy of the rank's gradient partition and the optimizer's temporary."""

@@ -220,10 +220,11 @@ def test_deepcoder_rehearses_on_its_three_source_formats(tmp_path):
     # The tiny model writes no code, so score what the rehearsal trained on with the reference solutions: the
     # problems survived the round trip (function names, starter code) and the sandbox passes every one.
     from gapo.data import load_problems
-    from gapo.reward.code import score_code
+    from gapo.reward.code import default_runner
 
+    runner = default_runner()
     for p in load_problems(str(run / "data_sample.jsonl")):
-        assert [r.reward for r in score_code([f"```python\n{p.meta['solutions'][0]}```"], p.gold)] == [1.0], p.uid
+        assert [r.reward for r in runner.score([f"```python\n{p.meta['solutions'][0]}```"], p.gold)] == [1.0], p.uid
 
 
 @pytest.mark.parametrize("config", PAPER)

@@ -8,7 +8,8 @@ not from the configs, so a config that drifts from its table fails here.
 import pytest
 
 from gapo.config import ConfigError, load_config
-from gapo.study.evaluate import BENCHMARKS, apply_protocol, main, parser
+from gapo.evaluation import BENCHMARKS
+from gapo.study.evaluate import apply_protocol, main, parser
 
 MATH6 = ["aime24", "aime25", "amc", "math500", "minerva", "olympiad_bench"]
 PAPER = {

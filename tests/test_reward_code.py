@@ -29,7 +29,6 @@ from gapo.reward.code import (
     extract_code,
     outputs_match,
     parse_tests,
-    score_code,
     values_match,
 )
 from gapo.reward.sandbox import CallCase, CheckCase, StdioCase
@@ -252,8 +251,8 @@ def test_score_batch_and_entry_point_pool_reuse() -> None:
               ([fenced("print('no')")], [{"input": "", "output": "yes"}])]
     first = default_runner(2, 4.0, 512).score_batch(groups)
     assert [[r.status for r in row] for row in first] == [["correct", "correct"], ["wrong"]]
-    assert [r.status for r in score_code([fenced("print(5)")], "[{'input': '', 'output': '5'}]",
-                                         timeout_s=4.0, memory_mb=512)] == ["correct"]
+    one = default_runner(2, 4.0, 512).score([fenced("print(5)")], "[{'input': '', 'output': '5'}]")
+    assert [r.status for r in one] == ["correct"]
     assert default_runner(2, 4.0, 512) is default_runner(2, 4.0, 512)
 
 

@@ -31,7 +31,6 @@ from gapo.reward.math import (
     default_verifier,
     extract_answer,
     normalize_gold,
-    score_math,
 )
 from gapo.reward.types import RewardResult, status_counts
 
@@ -278,11 +277,11 @@ def test_scoring_from_a_non_main_thread_works(verifier: MathVerifier) -> None:
     assert _statuses(out[0]) == ["correct"]
 
 
-def test_score_math_entry_point_reuses_one_pool() -> None:
-    first = score_math(["\\boxed{10}", "\\boxed{11}"], 10.0, timeout_s=7.0, num_workers=1)
+def test_default_verifier_reuses_one_pool() -> None:
+    first = default_verifier(1, 7.0).score(["\\boxed{10}", "\\boxed{11}"], 10.0)
     pool = default_verifier(1, 7.0)
     pids = [w.proc.pid for w in pool._workers]
-    second = score_math(["the answer is 10"], "10", timeout_s=7.0, num_workers=1)
+    second = default_verifier(1, 7.0).score(["the answer is 10"], "10")
     assert _statuses(first) == ["correct", "wrong"] and _statuses(second) == ["correct"]
     assert default_verifier(1, 7.0) is pool and [w.proc.pid for w in pool._workers] == pids
     pool.close()

@@ -6,7 +6,8 @@ import pytest
 
 from gapo.config import RewardConfig
 from gapo.data import Problem
-from gapo.reward.registry import score_groups, with_last_number
+from gapo.reward.math import with_last_number
+from gapo.reward.registry import score_groups
 
 
 def test_last_number_fallback_only_without_a_box():

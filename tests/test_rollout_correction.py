@@ -12,11 +12,10 @@ from gapo.trainer.logprobs import MicroBatch
 from gapo.trainer.losses import (
     MAX_LOG_RATIO,
     StepNorm,
-    mismatch_metrics,
-    mismatch_stats,
     policy_loss,
     rollout_weights,
 )
+from gapo.trainer.step_metrics import mismatch_metrics, mismatch_stats
 
 # Two responses: 3 tokens and 2 tokens (the second's third position is padding).
 LOG_R = torch.tensor([[0.1, -0.2, 1.0], [0.05, -0.05, 9.0]])  # log pi_old - log pi_rollout; 9.0 is padding

@@ -85,7 +85,7 @@ def test_find_cycle_finds_a_lazy_import_loop(tmp_path):
 
 def test_no_import_cycle_in_gapo():
     graph = import_graph(REPO / "gapo")
-    assert LOOP in graph and "gapo.study.evaluate" in graph
+    assert LOOP in graph and "gapo.study.evaluate" in graph and "gapo.evaluation" in graph
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 
@@ -113,6 +113,17 @@ def test_nothing_below_the_trainer_imports_it():
     offenders = {m: sorted(d for d in deps if d.startswith("gapo.trainer")) for m, deps in graph.items()
                  if not m.startswith("gapo.trainer") and m not in above}
     assert {m: d for m, d in offenders.items() if d} == {}
+
+
+def test_the_training_system_does_not_stand_on_the_study_wing():
+    """The trainer, the rollout engines and the rewarders are siblings of gapo.study, not its tenants: what validation
+    and gapo-eval share lives in gapo.evaluation (below both), IFEval's scoring in gapo.reward. Lazy imports count."""
+    graph = import_graph(REPO / "gapo")
+    below = ("gapo.trainer", "gapo.rollout", "gapo.reward", "gapo.evaluation")
+    offenders = {m: sorted(d for d in deps if d.startswith("gapo.study")) for m, deps in graph.items()
+                 if m.startswith(below)}
+    assert {m: d for m, d in offenders.items() if d} == {}
+    assert "gapo.study.evaluate" not in graph[LOOP] and "gapo.evaluation" in graph[LOOP]  # the guard sees the loop
 
 
 def test_no_module_imports_anothers_private_names():

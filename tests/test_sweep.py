@@ -298,7 +298,7 @@ def test_the_chain_sweep_evaluate_table_on_the_tiny_manifest(tmp_path):
         res = json.loads((j.out / "eval" / "tiny" / "step_000002" / "results.json").read_text())
         assert res["meta"]["settings"]["n"] == 4 and 0 <= res["metrics"]["val/arithmetic/pass@1"] <= 1
         assert res["meta"]["model"] == str(j.out / "checkpoints" / "step_000002" / "hf")
-    r = subprocess.run([str(BIN / "gapo-compare"), "tiny_cpu", "--output-root", root], cwd=ROOT, env=ENV,
+    r = subprocess.run([str(BIN / "gapo-compare"), "table", "tiny_cpu", "--output-root", root], cwd=ROOT, env=ENV,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     md = (tmp_path / "runs" / "tiny_cpu" / "compare" / "table.md").read_text()

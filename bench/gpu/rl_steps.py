@@ -7,7 +7,7 @@ mini-batch's IS-ratio deviation (must be 0: the update recomputes exactly the ol
     .venv/bin/python bench/gpu/rl_steps.py --cpu-smoke                              # same code path, toy size, CPU
 
 Needs gapo's Python dependencies except vLLM (the engine here is `rollout.engine=hf`): deepspeed, pydantic,
-pyyaml, tqdm, math-verify (the arithmetic reward) and if-verifiable (imported by gapo.study.evaluate). Random init:
+pyyaml, tqdm, math-verify (the arithmetic reward) and if-verifiable (imported by gapo.reward.ifeval). Random init:
 the throughput and memory of a step do not depend on the weights, and the device has no network; the tiny
 built-in tokenizer is reused (its ids are a subset of the vocabulary; responses run to max length, the
 worst case for memory). One rank: DeepSpeed runs stage 1 in bf16 (nothing to partition; gapo/trainer/actor.py).

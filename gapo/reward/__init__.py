@@ -1,4 +1,4 @@
-"""Verifiable rewarders. Entry points: `gapo.reward.math.score_math` and `gapo.reward.code.score_code`
-(one group each), `MathVerifier.score_batch` / `CodeRunner.score_batch` (many groups at once, what the
-trainer should use); all return `gapo.reward.types.RewardResult` per response. Modules are imported on
-use, so importing this package stays cheap."""
+"""Verifiable rewarders, one module per kind (math, code, ifeval), and the rewarder table that names them
+(`gapo.reward.registry.REWARDERS`: per kind its record check, scorer and metrics). The entry point for scoring is
+`registry.score_groups(kind, groups, problems, cfg)`; every rewarder returns one `gapo.reward.types.RewardResult`
+per response. Modules are imported on use, so importing this package stays cheap."""

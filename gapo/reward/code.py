@@ -46,7 +46,7 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gapo.reward.sandbox import (
     GUARD_NAME,
@@ -59,6 +59,10 @@ from gapo.reward.sandbox import (
     run_program,
 )
 from gapo.reward.types import FLAG_UNISOLATED, Rewarder, RewardResult
+
+if TYPE_CHECKING:
+    from gapo.config import RewardConfig
+    from gapo.data import Problem
 
 logger = logging.getLogger("gapo.reward")
 
@@ -401,21 +405,26 @@ class CodeRunner(Rewarder):
 
 
 # --------------------------------------------------------------------------------------------------
-# Stable entry point
+# The rewarder table's row (gapo.reward.registry.REWARDERS["code"])
 # --------------------------------------------------------------------------------------------------
 def default_runner(num_workers: int = 2, timeout_s: float = 10.0, memory_mb: int = 1024) -> CodeRunner:
     """The shared runner for these settings, created on first use and kept for the life of the process."""
     return CodeRunner.shared(num_workers, float(timeout_s), int(memory_mb))
 
 
-def score_code(
-    responses: list[str],
-    tests: Any,
-    *,
-    timeout_s: float = 10.0,
-    memory_mb: int = 1024,
-    num_workers: int = 2,
-) -> list[RewardResult]:
-    """Score k responses to one coding problem. `tests` is the problem's tests field as stored (raw string
-    or parsed); formats and rules are in the module docstring."""
-    return default_runner(num_workers, timeout_s, memory_mb).score(responses, tests)
+def check_record(problem: Problem) -> tuple[str, str] | None:
+    """(reason, detail) when the record's tests do not parse into a suite with at least one case, else None."""
+    if problem.gold is None:
+        return "tests unparseable", "the tests field is null"
+    try:
+        suite = parse_tests(problem.gold)
+    except (TypeError, ValueError, SyntaxError, RecursionError, MemoryError) as err:
+        return ("no test cases" if "no test cases" in str(err) or "empty list" in str(err)
+                else "tests unparseable"), str(err)[:300]
+    return None if suite.cases else ("no test cases", "the test suite holds no case")
+
+
+def score_records(groups: list[list[str]], problems: list[Problem], cfg: RewardConfig) -> list[list[RewardResult]]:
+    """Each group of responses against its record's tests, all groups in one batch on the shared sandbox runner."""
+    runner = default_runner(cfg.num_workers, cfg.code_timeout_s, cfg.code_memory_mb)
+    return runner.score_batch([(g, p.gold) for g, p in zip(groups, problems, strict=True)])

@@ -1,5 +1,18 @@
-"""Rewarder by dataset type: the loop hands over a step's groups and gets one RewardResult per response; and the
-check, before a run starts, that every record is one its rewarder can score.
+"""The rewarder table: what each dataset type (`data.type`, a benchmark's kind) means to a run, in one row each,
+and the calls that go through it: the check, before a run starts, that every record is one its rewarder can score,
+and the scoring of a step's groups.
+
+A row holds the kind's record check, its scorer and its metrics (and, for a benchmark file that must be refused
+whole when it is malformed, a load step). Adding a rewarder is one module and one row:
+
+    1. gapo/reward/<kind>.py with `score_records(groups, problems, cfg) -> list[list[RewardResult]]` (one result per
+       response; reward 1.0 exactly when the status is "correct") and, when records can be unscoreable,
+       `check_record(problem) -> (reason, detail) | None` (reason one of REASONS);
+    2. a row `"<kind>": RewardKind(score=<kind>.score_records, check=<kind>.check_record)` in REWARDERS below.
+
+`data.type=<kind>` then trains with it, and a benchmark of that kind (gapo.evaluation.BENCHMARKS) is evaluated
+with it; config.py cannot import this table (it sits below it), so an unknown kind is refused here, by `rewarder`,
+before the engine starts.
 
 All of a step's groups go to the pool at once (`score_batch`), so k x prompts verifications share the
 workers instead of waiting group by group. If that raises, the step's groups are scored one at a time, so that
@@ -10,63 +23,80 @@ status "error" (and, in the loop, no gradient) instead of ending a run that may 
 from __future__ import annotations
 
 import logging
-import os
-import re
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
 
-from gapo.config import ConfigError, DataConfig, RewardConfig
+from gapo import faults
+from gapo.config import MATH_INSTRUCTION, ConfigError, DataConfig, RewardConfig
 from gapo.data import Dropped, Problem, load_training_set, tokenize_problems
+from gapo.reward import code, ifeval, math
 from gapo.reward.types import RewardResult
 
 log = logging.getLogger("gapo.reward")
-
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 # Why a record cannot be trained or evaluated on: the names counted on the console and in dropped_records.jsonl.
 REASONS = ("empty prompt", "no answer", "empty answer", "unsupported answer", "no test cases", "tests unparseable",
            "prompt too long")
 
 
-def with_last_number(response: str) -> str:
-    """`reward.math_last_number_fallback`: a response with no boxed answer is scored on its last number.
-    Off by default (it rewards ignoring the requested format); on for the CPU demo, whose 135M model
-    rarely writes \\boxed{} at first and would otherwise see almost no reward."""
-    from gapo.reward.math import extract_answer
+def scoreable(problem: Problem) -> None:
+    """A row's default record check: any record with a prompt can be scored."""
+    return None
 
-    if extract_answer(response) is not None:
-        return response
-    numbers = _NUMBER.findall(response)
-    return f"{response}\n\\boxed{{{numbers[-1]}}}" if numbers else response
+
+def no_metrics(per_problem: list[list[RewardResult]]) -> dict[str, float]:
+    """A row's default metrics: none beyond the pass@k and coverage that every benchmark gets."""
+    return {}
+
+
+def as_loaded(problems: list[Problem], where: str) -> list[Problem]:
+    """A row's default load step: the records as the loader read them."""
+    return problems
+
+
+@dataclass(frozen=True)
+class RewardKind:
+    """One row of the rewarder table."""
+
+    # One result per response of each group, groups and records in the same order.
+    score: Callable[[list[list[str]], list[Problem], RewardConfig], list[list[RewardResult]]]
+    # (reason, detail) when a record cannot be scored (it is dropped and counted), else None.
+    check: Callable[[Problem], tuple[str, str] | None] = scoreable
+    # A benchmark's numbers beyond pass@k (val/<bench>/<name>), from each problem's results.
+    metrics: Callable[[list[list[RewardResult]]], dict[str, float]] = no_metrics
+    # Run on a benchmark's or training set's records after loading; raises ConfigError to refuse the file whole.
+    prepare: Callable[[list[Problem], str], list[Problem]] = as_loaded
+    # Appended to an evaluated prompt when gapo-eval names no instruction.
+    instruction: str = ""
+    # The prompt itself is under test (IFEval): nothing is appended, not even an instruction given explicitly.
+    bare_prompt: bool = False
+    # Counted in val/mean (IFEval, the paper's out-of-domain probe, is not: Table 3's "Avg." leaves it out).
+    in_mean: bool = True
+
+
+REWARDERS: dict[str, RewardKind] = {
+    "math": RewardKind(score=math.score_records, check=math.check_record, instruction=MATH_INSTRUCTION),
+    "code": RewardKind(score=code.score_records, check=code.check_record),
+    "ifeval": RewardKind(score=ifeval.score_records, metrics=ifeval.metrics, prepare=ifeval.prepare_benchmark,
+                         bare_prompt=True, in_mean=False),
+}
+
+
+def rewarder(kind: str) -> RewardKind:
+    """The table's row for `kind`; an unknown kind is a ConfigError naming the known ones."""
+    if kind not in REWARDERS:
+        raise ConfigError(f"data.type={kind!r}: no rewarder of that kind; the rewarder table "
+                          f"(gapo.reward.registry.REWARDERS) has {', '.join(REWARDERS)}")
+    return REWARDERS[kind]
 
 
 def invalid_reason(kind: str, problem: Problem) -> tuple[str, str] | None:
     """(reason, detail) when the record's prompt or gold cannot be used: the gold must parse the way the rewarder
-    parses it at scoring time (math: MathGold; code: a test suite with at least one case). None when it can."""
+    parses it at scoring time (its row's check). None when it can."""
     if not problem.question.strip():
         return "empty prompt", "the prompt field is empty"
-    if kind == "math":
-        from gapo.reward.math import MathGold
-
-        if problem.gold is None:
-            return "no answer", "the answer field is null"
-        try:
-            MathGold.from_record({**problem.meta, "answer": problem.gold})
-        except (TypeError, ValueError) as err:
-            reason = "empty answer" if "empty" in str(err) else "unsupported answer"
-            return reason, f"{err} (answer {problem.gold!r:.120})"
-        return None
-    if kind == "code":
-        from gapo.reward.code import parse_tests
-
-        if problem.gold is None:
-            return "tests unparseable", "the tests field is null"
-        try:
-            suite = parse_tests(problem.gold)
-        except (TypeError, ValueError, SyntaxError, RecursionError, MemoryError) as err:
-            return ("no test cases" if "no test cases" in str(err) or "empty list" in str(err)
-                    else "tests unparseable"), str(err)[:300]
-        return None if suite.cases else ("no test cases", "the test suite holds no case")
-    return None  # ifeval: its own loader checks its records (gapo.study.ifeval.prepare)
+    return rewarder(kind).check(problem)
 
 
 def check_problems(kind: str, problems: list[Problem], source: str) -> tuple[list[Problem], list[Dropped]]:
@@ -91,7 +121,7 @@ def training_set(d: DataConfig, tokenizer) -> tuple[list[Problem], list[list[int
     """data.train's records that can be trained on, their prompt ids, and the others with why: every record is
     checked before the engine starts (a public dataset's empty answer must not end a run at a random step).
     data.on_invalid=error refuses the run instead, naming the first records."""
-    problems = load_training_set(d)
+    problems = rewarder(d.type).prepare(load_training_set(d), "data.train")
     total = len(problems)
     problems, dropped = check_problems(d.type, problems, "train")
     if dropped and d.on_invalid == "error":
@@ -112,17 +142,16 @@ def score_groups(kind: str, groups: list[list[str]], problems: list[Problem],
                  cfg: RewardConfig) -> list[list[RewardResult]]:
     """One result per response. A failure of the whole batch is retried group by group, and a group that still
     fails gets status "error" for each of its rollouts, logged with the problem's id and the exception."""
-    if kind not in ("math", "code"):
-        raise ValueError(f"data.type={kind!r}: no rewarder (expected 'math' or 'code')")
+    row = rewarder(kind)
     try:
-        return _score(kind, groups, problems, cfg)
+        return _score(row, groups, problems, cfg)
     except Exception as err:  # noqa: BLE001 - any rewarder failure: isolate it to its group below
         log.warning("scoring the step's %d groups at once raised %s: %s; scoring them one at a time", len(groups),
                     type(err).__name__, err)
     out = []
     for group, problem in zip(groups, problems, strict=True):
         try:
-            out.append(_score(kind, [group], [problem], cfg)[0])
+            out.append(_score(row, [group], [problem], cfg)[0])
         except Exception as err:  # noqa: BLE001 - this group's failure, reported and counted as status "error"
             log.error("problem %s: scoring raised %s: %s; its %d rollouts get status error and no gradient",
                       problem.uid, type(err).__name__, err, len(group))
@@ -130,22 +159,12 @@ def score_groups(kind: str, groups: list[list[str]], problems: list[Problem],
     return out
 
 
-def _score(kind: str, groups: list[list[str]], problems: list[Problem],
+def _score(row: RewardKind, groups: list[list[str]], problems: list[Problem],
            cfg: RewardConfig) -> list[list[RewardResult]]:
-    fault = os.environ.get("GAPO_FAULT", "")  # fault injection for the tests: score_raise:<problem uid>
-    if fault.startswith("score_raise:") and any(p.uid == fault.split(":", 1)[1] for p in problems):
-        raise RuntimeError(f"injected rewarder failure ({fault})")
-    if kind == "math":
-        from gapo.reward.math import MathGold, default_verifier
-
-        if cfg.math_last_number_fallback:
-            groups = [[with_last_number(x) for x in g] for g in groups]
-        golds = [MathGold.from_record({**p.meta, "answer": p.gold}) for p in problems]
-        return default_verifier(cfg.num_workers, cfg.math_timeout_s).score_batch(list(zip(groups, golds, strict=True)))
-    from gapo.reward.code import default_runner
-
-    runner = default_runner(cfg.num_workers, cfg.code_timeout_s, cfg.code_memory_mb)
-    return runner.score_batch([(g, p.gold) for g, p in zip(groups, problems, strict=True)])
+    victim = faults.requested("score_raise")
+    if victim is not None and any(p.uid == victim for p in problems):
+        raise RuntimeError(f"injected rewarder failure (score_raise:{victim})")
+    return row.score(groups, problems, cfg)
 
 
 class RewardsFailed(RuntimeError):

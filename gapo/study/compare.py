@@ -1,6 +1,6 @@
 """gapo-compare: several seeds per configuration, compared the way the paper's Tables 6 and 7 compare them.
 
-    gapo-compare --out DIR LABEL=RUN,RUN,... LABEL=RUN,RUN,... [--steps A:B] [--val-step N] [--smooth N]
+    gapo-compare seeds --out DIR LABEL=RUN,RUN,... LABEL=RUN,RUN,... [--steps A:B] [--val-step N] [--smooth N]
 
 Per label: the mean over its seeds ± a 95 % confidence interval (Student-t, df = seeds - 1) of the final
 validation pass@1 per benchmark and of training metrics over a window of steps. Per pair of labels: the
@@ -32,7 +32,9 @@ from gapo.study.figures import (
     PlotError,
     Run,
     Window,
+    add_figure_options,
     clip_totals,
+    figure_options,
     finish,
     grid,
     in_window,
@@ -40,7 +42,6 @@ from gapo.study.figures import (
     md_cell,
     moving_average,
     no_data,
-    parse_steps,
     run_style,
     window_text,
 )
@@ -542,36 +543,26 @@ def write_report(out: Path, groups: dict[str, list[Run]], window: Window = ALL_S
     return path
 
 
-def parse_args(argv: Iterable[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="gapo-compare", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`gapo-compare seeds`'s arguments (gapo.study.tables.cli holds the command line)."""
     p.add_argument("groups", nargs="+", metavar="LABEL=RUN_DIR,RUN_DIR,...",
                    help="a label and its seeds' run directories (two or more); list your method first: Δ is "
                         "earlier label minus later label")
     p.add_argument("--out", required=True, type=Path, help="directory for compare.md and the figures")
-    p.add_argument("--steps", metavar="A:B", help="window of the training metrics: steps A through B, both "
-                                                  "included, either side may be left out (default: all steps)")
+    add_figure_options(p, "moving average over N logged steps of each seed's per-step curves",
+                       "window of the training metrics")
     p.add_argument("--val-step", type=int, metavar="N",
                    help="compare validation at step N instead of each run's last validation")
-    p.add_argument("--smooth", type=int, default=1, metavar="N",
-                   help="moving average over N logged steps of each seed's per-step curves (default 1: none)")
-    return p.parse_args(None if argv is None else list(argv))
 
 
-def main(argv: Iterable[str] | None = None) -> int:
-    args = parse_args(argv)
+def run(args: argparse.Namespace) -> int:
+    """`gapo-compare seeds`: compare.md and its figures; 2 with a message when the runs cannot be compared."""
     try:
-        if args.smooth < 1:
-            raise CompareError(f"--smooth must be >= 1, got {args.smooth}")
-        window = parse_steps(args.steps)
+        smooth, window = figure_options(args)
         groups = load_groups(args.groups)
-        path = write_report(args.out, groups, window, args.val_step, args.smooth)
+        path = write_report(args.out, groups, window, args.val_step, smooth)
     except PlotError as e:
         print(f"gapo-compare: error: {e}", file=sys.stderr)
         return 2
     print(f"gapo-compare: wrote {path} and its figures to {args.out}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,18 +1,7 @@
-"""Evaluation: pass@k on benchmarks, per-problem solve rates for coverage, with the rollout engine.
-
-The same `evaluate()` runs standalone (`gapo-eval`) and as validation inside training, so a number in
-the training log and a number from gapo-eval on the saved checkpoint mean the same thing.
-
-A benchmark spec is `name[@START:END][=path]`:
-- `name` from BENCHMARKS (loaded from Hugging Face, or from `$GAPO_DATA_DIR/<file>` when that file exists,
-  e.g. GAPO_DATA_DIR=../shared/data), or `arithmetic` (a held-out generated set disjoint from the default
-  training set);
-- `=path`: any JSON/JSONL/parquet file with the math fields problem/answer (code: problem/tests; ifeval:
-  Google's key/prompt/instruction_id_list/kwargs), scored by the kind of `name`;
-- `@START:END` (dates YYYY-MM-DD, either side may be empty): only the records whose `contest_date` lies in
-  the window, both ends included and compared as LiveCodeBench's own --start_date/--end_date compare them
-  (the end date at 00:00), so `livecodebench@2024-08-01:2025-02-01` is the problem set LiveCodeBench's runner
-  evaluates for that window: the paper's LCB-v5 (Table 2).
+"""gapo-eval: pass@k of a model, or of a run's checkpoints, on benchmarks (vLLM). The command line, its
+--protocol settings and its table; what it shares with validation inside training (benchmarks, sampling seeds,
+pass@k over a benchmark, a checkpoint's weights) is gapo.evaluation, below the trainer and this wing alike.
+Benchmark specs (`name[@START:END][=path]`) are described there.
 
 `gapo-eval --protocol <config>` takes the benchmarks and sampling settings of a paper table from that
 config's `eval.protocol` (see EvalConfig.Protocol), so the reported numbers do not depend on remembered flags.
@@ -22,327 +11,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
-import math
 import os
-import shutil
 import sys
-import zlib
-from collections import Counter
-from dataclasses import dataclass, field
-from datetime import UTC, date, datetime
 from pathlib import Path
 
-import numpy as np
-import torch.distributed as dist
 import yaml
-from tqdm import tqdm
 
 from gapo import rundir
-from gapo.config import MATH_INSTRUCTION, ConfigError, DataConfig, RewardConfig, load_config
-from gapo.data import Dropped, Problem, arithmetic_problems, build_prompt_ids, load_problems, stop_token_ids
-from gapo.distributed import gather
-from gapo.metrics import coverage, pass_at_k
-from gapo.reward.registry import check_problems, dropped_summary, score_groups
-from gapo.rollout.engine import Engine
-from gapo.rollout.types import SamplingConfig
-from gapo.study import ifeval
-
-log = logging.getLogger("gapo.study.evaluate")
-
-
-@dataclass(frozen=True)
-class Benchmark:
-    hf_id: str  # Hugging Face dataset id (unverified from here: no hub access on our machines)
-    split: str
-    file: str  # the same set as a local file under $GAPO_DATA_DIR
-    kind: str = "math"
-    prompt_key: str = "problem"
-    answer_key: str = "answer"
-    subset: str | None = None  # the hub dataset's configuration
-    window: str | None = None  # "START:END" when the named set is already cut to that date window
-
-
-BENCHMARKS = {
-    "aime24": Benchmark("HuggingFaceH4/aime_2024", "train", "math/aime24.json"),
-    "aime25": Benchmark("yentinglin/aime_2025", "train", "math/aime25.json"),
-    "amc": Benchmark("AI-MO/aimo-validation-amc", "train", "math/amc.json"),
-    "math500": Benchmark("HuggingFaceH4/MATH-500", "test", "math/math500.json"),
-    "minerva": Benchmark("math-ai/minervamath", "test", "math/minerva.json"),
-    "olympiad_bench": Benchmark("Hothan/OlympiadBench", "train", "math/olympiad_bench.json"),
-    # LiveCodeBench v5 as DeepCoder evaluated it (its lcbv5 test split: 2024-08-01..2025-02-01, tests decoded;
-    # livecodebench/code_generation_lite keeps its private tests compressed and pickled).
-    "livecodebench": Benchmark("agentica-org/DeepCoder-Preview-Dataset", "test", "code/livecodebench.json", "code",
-                               answer_key="tests", subset="lcbv5", window="2024-08-01:2025-02-01"),
-    "humaneval_plus": Benchmark("evalplus/humanevalplus", "test", "code/humaneval_plus.json", "code",
-                                prompt_key="prompt", answer_key="test"),
-    "leetcode": Benchmark("newfacade/LeetCodeDataset", "test", "code/leetcode.json", "code", answer_key="tests"),
-    "codeforces": Benchmark("", "", "code/codeforces.json", "code", answer_key="tests"),
-    "code_contests": Benchmark("deepmind/code_contests", "test", "code/code_contests.json", "code",
-                               answer_key="tests"),
-    # Google's 541 prompts (google-research/instruction_following_eval, data/input_data.jsonl).
-    "ifeval": Benchmark("google/IFEval", "train", "ifeval/input_data.jsonl", "ifeval", prompt_key="prompt",
-                        answer_key="instruction_id_list"),
-}
-# The record field a `@START:END` window filters on (LiveCodeBench's; also looked up inside `metadata`).
-DATE_FIELD = "contest_date"
-
-
-def load_benchmark(spec: str, limit: int | None = None, exclude: set[str] | None = None,
-                   levels: list[str] | None = None, *, data_dir: str | Path | None = None
-                   ) -> Bench:
-    """The benchmark of a spec `name[@START:END][=path]` or `arithmetic` (problems of `levels`, held out from
-    `exclude`, by default from the default training set). A named benchmark is read from `data_dir` (default:
-    $GAPO_DATA_DIR) when its file is there, else from Hugging Face. Records its rewarder cannot score (an empty
-    answer, tests that do not parse) are left out before `limit` applies, and listed with their reason."""
-    name, _, path = spec.partition("=")
-    name, at, window = name.partition("@")
-    bounds = parse_window(window, spec) if at else None  # a malformed window fails before any download
-    known = BENCHMARKS.get(name)
-    kind = known.kind if known else "math"
-    keys = {"prompt_key": known.prompt_key, "answer_key": known.answer_key} if known else {}
-    if name == "arithmetic" and not path:
-        if exclude is None:
-            d = DataConfig()  # the default training set
-            exclude = {p.question for p in arithmetic_problems(d.arithmetic_size, seed=d.arithmetic_seed)}
-        problems = arithmetic_problems(limit or 200, seed=4242, exclude=exclude, levels=levels)
-    elif path:
-        problems = load_problems(path, **keys)
-    elif known:
-        problems = _load_named(name, known, data_dir or os.environ.get("GAPO_DATA_DIR"), keys)
-    else:
-        raise ConfigError(f"unknown benchmark {name!r}: use one of {', '.join([*BENCHMARKS, 'arithmetic'])} "
-                          "or name=path/to/file.jsonl")
-    where = path or f"benchmark {name!r}"
-    precut = bool(known and known.window and not path and bounds == parse_window(known.window, spec))
-    if bounds and not (precut and all(record_date(p) is None for p in problems)):  # undated: cut already
-        problems = in_window(problems, *bounds, where=where, spec=spec)
-    if kind == "ifeval":
-        ifeval.require_sentence_splitter()
-        problems = ifeval.prepare(problems, where)
-    total = len(problems)
-    problems, dropped = check_problems(kind, problems, name)
-    if dropped:
-        log.warning("benchmark %s: left out %s; the rest is scored", name, dropped_summary(dropped, total))
-    if not problems:
-        raise ConfigError(f"{where}: no record can be scored ({dropped_summary(dropped, total)})")
-    return Bench(name, kind, problems[:limit] if limit else problems, dropped)
-
-
-def parse_window(window: str, spec: str) -> tuple[datetime | None, datetime | None]:
-    """`START:END` -> (start, end) at 00:00 of each date; an empty side is open."""
-    start_text, colon, end_text = window.partition(":")
-    if not colon or not (start_text or end_text):
-        raise ConfigError(f"benchmark {spec!r}: the window after '@' must be START:END with dates YYYY-MM-DD "
-                          "(either side may be empty), e.g. livecodebench@2024-08-01:2025-02-01")
-    bounds = []
-    for side, text in (("start", start_text), ("end", end_text)):
-        try:
-            bounds.append(datetime.combine(date.fromisoformat(text), datetime.min.time()) if text else None)
-        except ValueError:
-            raise ConfigError(f"benchmark {spec!r}: window {side} {text!r} is not a date YYYY-MM-DD") from None
-    start, end = bounds
-    if start and end and start > end:
-        raise ConfigError(f"benchmark {spec!r}: the window starts ({start_text}) after it ends ({end_text})")
-    return start, end
-
-
-def record_date(problem: Problem) -> datetime | None:
-    """The problem's contest date as a naive UTC datetime, from its `contest_date` field or its metadata's
-    (DeepCoder-style records keep extra fields in a `metadata` mapping or JSON string); None when absent."""
-    value = problem.meta.get(DATE_FIELD)
-    if value is None:
-        meta = problem.meta.get("metadata")
-        if isinstance(meta, str):
-            try:
-                meta = json.loads(meta)
-            except json.JSONDecodeError:
-                meta = None
-        value = meta.get(DATE_FIELD) if isinstance(meta, dict) else None
-    if value is None:
-        return None
-    if isinstance(value, datetime):
-        got = value
-    elif isinstance(value, date):
-        got = datetime.combine(value, datetime.min.time())
-    elif isinstance(value, str):
-        try:
-            got = datetime.fromisoformat(value.strip())
-        except ValueError:
-            raise ConfigError(f"problem {problem.uid}: {DATE_FIELD}={value!r} is not an ISO date or date-time"
-                              ) from None
-    else:
-        raise ConfigError(f"problem {problem.uid}: {DATE_FIELD}={value!r} ({type(value).__name__}) is not a date")
-    return got.astimezone(UTC).replace(tzinfo=None) if got.tzinfo else got
-
-
-def in_window(problems: list[Problem], start: datetime | None, end: datetime | None, *, where: str,
-              spec: str) -> list[Problem]:
-    """The problems dated within [start, end]. Every record must carry its date: dropping undated ones would
-    make a window look applied to a file it cannot be applied to."""
-    dated = []
-    for i, p in enumerate(problems):
-        d = record_date(p)
-        if d is None:
-            raise ConfigError(
-                f"{where}: item {i} (uid {p.uid}) has no field {DATE_FIELD!r} (nor metadata.{DATE_FIELD}; fields: "
-                f"{', '.join(sorted(p.meta))}), so the window of {spec!r} cannot be applied. A file already cut to "
-                "the window (DeepCoder's lcbv5 test split is 2024-08-01..2025-02-01) goes without it: "
-                f"{spec.partition('@')[0]}=PATH")
-        dated.append((d, p))
-    kept = [p for d, p in dated if (start is None or start <= d) and (end is None or d <= end)]
-    if not kept:
-        lo, hi = min(d for d, _ in dated), max(d for d, _ in dated)
-        raise ConfigError(f"{where}: no problem in the window of {spec!r} (the records are dated "
-                          f"{lo.date()} to {hi.date()})")
-    return kept
-
-
-def _load_named(name: str, known: Benchmark, data_dir: str | Path | None, keys: dict) -> list[Problem]:
-    """The local file under `data_dir` if it is there, else the Hugging Face dataset. When neither works the
-    error names both places tried and both ways to provide the data, because "dataset not loadable" alone
-    does not tell an offline user that a local file would have done."""
-    local = Path(data_dir).expanduser() / known.file if data_dir else None
-    if local is not None and local.is_file():
-        return load_problems(str(local), **keys)
-    tried_local = f"no file {local}" if local else f"GAPO_DATA_DIR is unset (so no local {known.file})"
-    provide = (f"set GAPO_DATA_DIR to a directory holding {known.file}, or pass the file as {name}=PATH "
-               "(JSON, JSONL or parquet)")
-    if not known.hf_id:
-        raise ConfigError(f"benchmark {name!r}: {tried_local}, and it has no Hugging Face dataset; {provide}")
-    try:
-        return load_problems(known.hf_id, split=known.split, subset=known.subset, **keys)
-    except ConfigError as err:
-        raise ConfigError(f"benchmark {name!r}: {tried_local}, and loading the Hugging Face dataset "
-                          f"{known.hf_id!r} (split {known.split!r}) failed: {err}; {provide}") from None
-
-
-@dataclass
-class Bench:
-    """A benchmark ready to evaluate: the problems that can be scored, and the records left out (with why)."""
-
-    name: str
-    kind: str  # math | code | ifeval: which rewarder scores it
-    problems: list[Problem]
-    dropped: list[Dropped] = field(default_factory=list)
-
-
-@dataclass
-class BenchResult:
-    name: str
-    n: int
-    correct: list[int]  # per problem, out of n
-    uids: list[str]
-    statuses: dict[str, int]
-    extra: dict[str, float] = field(default_factory=dict)  # kind-specific metrics (ifeval: its accuracies)
-    kind: str = "math"
-    dropped: dict[str, int] = field(default_factory=dict)  # records left out before scoring, by reason
-
-    def pass_at(self) -> dict[int, float]:
-        ks = [2**i for i in range(int(math.log2(self.n)) + 1)]
-        return {k: sum(pass_at_k(self.n, c, k) for c in self.correct) / len(self.correct) for k in ks}
-
-
-def sample_seeds(seed: int, benches: list[Bench], n: int) -> list[list[int]]:
-    """One vLLM request seed per problem of each benchmark, such that no two (problem, sample) pairs share a seed.
-
-    vLLM seeds sample j of a request with seed + j, and its sampler's noise depends only on (seed, position,
-    token): two requests whose seed ranges overlap draw identical noise for the overlapping samples (with
-    seed * 1_000_003 + i, sample j of problem i and sample j - 1 of problem i + 1 did). So each request gets an
-    aligned block of 2^ceil(log2 n) seeds, drawn from SeedSequence([seed, benchmark, problem]) and moved to the
-    next free block on a collision: the blocks, hence all seeds, are disjoint across the whole evaluation."""
-    size = 1 << max(0, (n - 1).bit_length())
-    blocks = (1 << 31) // size
-    taken: set[int] = set()
-    out = []
-    for bench in benches:
-        tag = zlib.crc32(bench.name.encode())
-        row = []
-        for i in range(len(bench.problems)):
-            block = int(np.random.SeedSequence([seed, tag, i]).generate_state(1)[0]) % blocks
-            while block in taken:
-                block = (block + 1) % blocks
-            taken.add(block)
-            row.append(block * size)
-        out.append(row)
-    return out
-
-
-def evaluate(engine: Engine, tokenizer, benches: list[Bench], *, n: int, temperature: float,
-             top_p: float, max_new_tokens: int, instruction: str | None, reward: RewardConfig, seed: int = 0,
-             progress: bool = True) -> list[BenchResult]:
-    """Every rank scores its share of each benchmark (problem i goes to rank i % world); results are gathered."""
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    sampling = SamplingConfig(n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
-                              stop_token_ids=stop_token_ids(tokenizer))
-    out = []
-    all_seeds = sample_seeds(seed, benches, n)
-    pairs = list(zip(benches, all_seeds, strict=True))
-    for bench, seeds in tqdm(pairs, desc="eval", disable=not progress or rank != 0):
-        name, kind, problems = bench.name, bench.kind, bench.problems
-        mine = list(range(rank, len(problems), world))
-        # IFEval's prompts are the instructions under test: nothing is appended to them.
-        instr = "" if kind == "ifeval" else instruction if instruction is not None else (
-            MATH_INSTRUCTION if kind == "math" else "")
-        prompts = [build_prompt_ids(tokenizer, problems[i], instr) for i in mine]
-        groups = engine.generate(prompts, sampling, seeds=[seeds[i] for i in mine]) if mine else []
-        texts, owned = [[x.text for x in g] for g in groups], [problems[i] for i in mine]
-        if kind == "ifeval":
-            scored = ifeval.score_groups(texts, owned)
-            local = {i: ([r.status for r in res], ifeval.counts(res)) for i, res in zip(mine, scored, strict=True)}
-        else:
-            scored = score_groups(kind, texts, owned, reward)
-            local = {i: ([r.status for r in res], {}) for i, res in zip(mine, scored, strict=True)}
-        if world > 1:
-            local = {k: v for p in gather(local) for k, v in p.items()}
-        statuses: dict[str, int] = {}
-        for s in (s for i in range(len(problems)) for s in local[i][0]):
-            statuses[s] = statuses.get(s, 0) + 1
-        extra = ifeval.metrics(local[i][1] for i in range(len(problems))) if kind == "ifeval" else {}
-        out.append(BenchResult(name, n, [local[i][0].count("correct") for i in range(len(problems))],
-                               [p.uid for p in problems], statuses, extra, kind,
-                               dict(Counter(d.reason for d in bench.dropped))))
-    return out
-
-
-def _averaged(results: list[BenchResult]) -> list[BenchResult]:
-    """The benchmarks `val/mean` averages: all but IFEval, the paper's out-of-domain probe, which its
-    "Avg." column leaves out (Table 3)."""
-    return [r for r in results if r.kind != "ifeval"]
-
-
-def summary(results: list[BenchResult], threshold: float = 0.05) -> dict[str, float]:
-    """Flat metrics: val/<bench>/pass@k, val/<bench>/coverage, and the mean over benchmarks."""
-    m: dict[str, float] = {}
-    for r in results:
-        for k, v in r.pass_at().items():
-            m[f"val/{r.name}/pass@{k}"] = v
-        m[f"val/{r.name}/coverage"] = coverage([c / r.n for c in r.correct], threshold)
-        for k, v in r.extra.items():
-            m[f"val/{r.name}/{k}"] = v
-    averaged = _averaged(results)
-    if averaged:
-        for k in averaged[0].pass_at():
-            m[f"val/mean/pass@{k}"] = sum(m[f"val/{r.name}/pass@{k}"] for r in averaged) / len(averaged)
-    return m
-
-
-def write_results(results: list[BenchResult], out: Path, meta: dict) -> None:
-    """results.json and per_problem.jsonl, written beside `out` and renamed into place: a directory holding a
-    results.json is complete (gapo-eval --run skips it, gapo-compare reads it)."""
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    with open(tmp / "per_problem.jsonl", "w") as f:
-        for r in results:
-            for uid, c in zip(r.uids, r.correct, strict=True):
-                f.write(json.dumps({"benchmark": r.name, "uid": uid, "correct": c, "n": r.n,
-                                    "solve_rate": c / r.n}) + "\n")
-    (tmp / "results.json").write_text(json.dumps({"meta": meta, "metrics": summary(results),
-                                                  "statuses": {r.name: r.statuses for r in results},
-                                                  "dropped": {r.name: r.dropped for r in results}}, indent=1))
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
+from gapo.config import ConfigError, RewardConfig, load_config
+from gapo.evaluation import BenchResult, averaged, checkpoint_weights, evaluate, load_benchmark, summary, write_results
+from gapo.reward.ifeval import METRIC_NAMES
 
 
 def table(results: list[BenchResult]) -> str:
@@ -351,9 +29,9 @@ def table(results: list[BenchResult]) -> str:
     rows = [head, "-" * len(head)]
     for r in results:
         rows.append(f"{r.name:<16}{len(r.correct):>9}" + "".join(f"{100 * v:>9.1f}%" for v in r.pass_at().values()))
-    if len(_averaged(results)) > 1:
+    if len(averaged(results)) > 1:
         mean = summary(results)
-        label = "mean" if len(_averaged(results)) == len(results) else "mean (no ifeval)"
+        label = "mean" if len(averaged(results)) == len(results) else "mean (no ifeval)"
         rows.append(f"{label:<16}{'':>9}" + "".join(f"{100 * mean[f'val/mean/pass@{k}']:>9.1f}%" for k in ks))
     for r in results:
         if r.dropped:
@@ -361,7 +39,7 @@ def table(results: list[BenchResult]) -> str:
                         + ", ".join(f"{k} {v}" for k, v in r.dropped.items()))
     for r in results:
         if r.extra:
-            parts = [f"{ifeval.METRIC_NAMES.get(k, k)} {100 * v:.1f}%" for k, v in r.extra.items()]
+            parts = [f"{METRIC_NAMES.get(k, k)} {100 * v:.1f}%" for k, v in r.extra.items()]
             rows.append(f"{r.name}: {', '.join(parts)} (pass@1 = prompt-level strict)")
     return "\n".join(rows)
 
@@ -431,7 +109,7 @@ def parser() -> argparse.ArgumentParser:
                          "of its paper table: qwen_math, llama_math (Table 3), r1_distill_math (Table 1), "
                          "deepcoder (Table 2)")
     ap.add_argument("--benchmarks", default=None,
-                    help="comma-separated specs name[@START:END][=path] (see gapo.study.evaluate); default: the "
+                    help="comma-separated specs name[@START:END][=path] (see gapo.evaluation); default: the "
                          "protocol's")
     ap.add_argument("--n", type=int, default=None,
                     help=f"samples per problem (pass@k for k = 1, 2, 4, ... <= n); default: the protocol's, "
@@ -551,15 +229,6 @@ def run_jobs(args: argparse.Namespace, run: Path) -> list[tuple[Path, Path]]:
     return jobs
 
 
-def checkpoint_weights(hf: Path):
-    """(name, tensor) of a checkpoint's exported model, tied weights under each of their names (as the trainer
-    streams them: vLLM's reload would otherwise keep the old tied head)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
-    for name, p in model.named_parameters(remove_duplicate=False):
-        yield name, p.detach()
 
 
 if __name__ == "__main__":

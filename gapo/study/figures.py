@@ -8,6 +8,7 @@ cluster, without torch or wandb.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import re
@@ -60,6 +61,21 @@ def parse_steps(spec: str | None) -> Window:
     if None not in window and window[0] > window[1]:
         raise PlotError(f"--steps {spec!r}: the first step is after the last")
     return window
+
+
+def add_figure_options(p: argparse.ArgumentParser, smooth_help: str, steps_help: str) -> None:
+    """--smooth N and --steps A:B, which gapo-plot and `gapo-compare seeds` both take (read with
+    `figure_options`): one spelling and one check for both commands."""
+    p.add_argument("--smooth", type=int, default=1, metavar="N", help=f"{smooth_help} (default 1: none)")
+    p.add_argument("--steps", metavar="A:B", help=f"{steps_help}: steps A through B, both included, either side may "
+                                                  "be left out (default: all steps)")
+
+
+def figure_options(args: argparse.Namespace) -> tuple[int, Window]:
+    """(smooth, window) of the options `add_figure_options` added, checked: a bad one is a PlotError naming it."""
+    if args.smooth < 1:
+        raise PlotError(f"--smooth must be >= 1, got {args.smooth}")
+    return args.smooth, parse_steps(args.steps)
 
 
 def in_window(step: int, window: Window) -> bool:

@@ -35,13 +35,14 @@ from gapo.study.figures import (
     PlotError,
     Run,
     Window,
+    add_figure_options,
     clip_totals,
+    figure_options,
     finish,
     grid,
     load_run,
     md_cell,
     no_data,
-    parse_steps,
     plot_series,
     run_algorithm,
     run_style,
@@ -538,10 +539,7 @@ def parse_args(argv: Iterable[str] | None) -> argparse.Namespace:
     p.add_argument("--out", required=True, type=Path, help="directory for the PNGs and index.md")
     p.add_argument("--labels", help="comma-separated legend labels, one per RUN_DIR, replacing the default "
                                     "'run_name (algorithm eps_lo/eps_hi)'")
-    p.add_argument("--smooth", type=int, default=1, metavar="N",
-                   help="moving average over N logged steps for per-step curves (default 1: none)")
-    p.add_argument("--steps", metavar="A:B", help="window of clip_vs_c.png: steps A through B, both included, "
-                                                  "either side may be left out (default: all steps)")
+    add_figure_options(p, "moving average over N logged steps for per-step curves", "window of clip_vs_c.png")
     p.add_argument("--rollout-steps", metavar="S,S,...", help="steps shown on the rollouts pages of runs with "
                                                              "rollouts.jsonl (default: first, middle and last)")
     p.add_argument("--rollouts-per-c", type=int, default=3, metavar="N",
@@ -552,11 +550,9 @@ def parse_args(argv: Iterable[str] | None) -> argparse.Namespace:
 def main(argv: Iterable[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        if args.smooth < 1:
-            raise PlotError(f"--smooth must be >= 1, got {args.smooth}")
+        smooth, window = figure_options(args)
         if args.rollouts_per_c < 1:
             raise PlotError(f"--rollouts-per-c must be >= 1, got {args.rollouts_per_c}")
-        window = parse_steps(args.steps)
         rollout_steps = None
         if args.rollout_steps is not None:
             try:
@@ -573,7 +569,7 @@ def main(argv: Iterable[str] | None = None) -> int:
         runs = [load_run(d, lab) for d, lab in zip(args.run_dirs, labels, strict=True)]
         _unique_labels(runs)
         warn_pre_split(runs)
-        figures = render(runs, args.out, args.smooth, window, rollout_steps, args.rollouts_per_c)
+        figures = render(runs, args.out, smooth, window, rollout_steps, args.rollouts_per_c)
     except PlotError as e:
         print(f"gapo-plot: error: {e}", file=sys.stderr)
         return 2

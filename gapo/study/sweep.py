@@ -7,7 +7,7 @@
                                    their parent's rehearsed checkpoint
     gapo-sweep FILE --eval         gapo-eval --run on every run's checkpoints under the file's protocol (--print: list)
     gapo-sweep FILE --budget       GPUs, memory plan and estimated GPU-hours per run and in total
-    gapo-compare FILE              then the table (markdown, CSV) and figures from the evaluations
+    gapo-compare table FILE        then the table (markdown, CSV) and figures from the evaluations
 
 A manifest (experiments/*.yaml) names a config, its runs (overrides, or a branch from another run's checkpoint),
 the seeds, the evaluation protocol and the checkpoint steps it evaluates, and what gapo-compare builds. Each run

@@ -1,4 +1,4 @@
-"""gapo-compare MANIFEST: the paper's table (or figure) from a sweep's evaluations, seeds aggregated.
+"""gapo-compare table MANIFEST: the paper's table (or figure) from a sweep's evaluations, seeds aggregated.
 
 Reads `<run>/eval/<protocol>/step_N/results.json` of every run and seed of the manifest (written by
 `gapo-sweep MANIFEST --eval`, i.e. gapo-eval --run under the table's protocol) and, for the training-dynamics
@@ -295,26 +295,30 @@ def fig_branch(m: Manifest, js: list[Job], found: dict) -> Figure | None:
 
 
 def cli(argv: list[str] | None = None) -> int:
-    """gapo-compare: a manifest (`gapo-compare FILE [--out DIR] [--output-root DIR]`) builds its table here;
-    LABEL=RUN,RUN,... arguments compare run directories directly (gapo.study.compare)."""
+    """gapo-compare, two subcommands: `table MANIFEST` builds a sweep's paper table here; `seeds LABEL=RUN,...`
+    compares run directories' logged metrics, seeds per label (gapo.study.compare). Named, not guessed from the
+    arguments' shape: a run directory or a manifest path may hold an "=" too."""
+    import argparse
     import sys
 
+    from gapo.errors import ConfigError
     from gapo.study import compare
 
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if any("=" in a and not a.startswith("-") for a in argv):  # LABEL=RUN,RUN,...
-        return compare.main(argv)
-    import argparse
-
-    from gapo.errors import ConfigError
-
-    p = argparse.ArgumentParser(prog="gapo-compare", description=__doc__.split("\n\n")[0],
-                                epilog="Without a manifest: gapo-compare --out DIR LABEL=RUN,RUN,... LABEL=RUN,RUN,... "
-                                       "compares run directories' logged metrics (see gapo.study.compare).")
-    p.add_argument("manifest", help="experiments/NAME.yaml, or NAME")
-    p.add_argument("--out", type=Path, help="default: <output_root>/<manifest>/compare")
-    p.add_argument("--output-root", help="where the sweep wrote its runs (default: the manifest's output_root)")
-    args = p.parse_args(argv)
+    p = argparse.ArgumentParser(prog="gapo-compare", description="Seeds aggregated into the paper's tables and "
+                                "figures (table), or several seeds per label compared directly (seeds).")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{table,seeds}")
+    table = sub.add_parser("table", help="a manifest's paper table from its sweep's evaluations",
+                           description=__doc__.split("\n\n")[0])
+    table.add_argument("manifest", help="experiments/NAME.yaml, or NAME")
+    table.add_argument("--out", type=Path, help="default: <output_root>/<manifest>/compare")
+    table.add_argument("--output-root", help="where the sweep wrote its runs (default: the manifest's output_root)")
+    seeds = sub.add_parser("seeds", help="labels of several seeds each: mean ± CI, Welch's tests, figures",
+                           description=compare.__doc__.split("\n\n")[0],
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    compare.add_arguments(seeds)
+    args = p.parse_args(sys.argv[1:] if argv is None else list(argv))
+    if args.command == "seeds":
+        return compare.run(args)
     try:
         path = write(load_manifest(args.manifest), args.output_root, args.out)
     except ConfigError as err:

@@ -39,6 +39,7 @@ from torch import Tensor
 from gapo import rundir
 from gapo.config import Config, ConfigError, dump_config, resolve
 from gapo.distributed import gather
+from gapo.faults import requested
 
 log = logging.getLogger("gapo.checkpoint")
 
@@ -112,10 +113,9 @@ def save(actor, tokenizer, cfg: Config, state: TrainerState, run_dir: Path) -> P
         _abandon(tmp, rank)
         raise CheckpointError(failure)
     try:
-        fault = os.environ.get("GAPO_FAULT", "")  # fault injection (disk tests)
-        if fault == f"enospc:{state.step}" and rank == dist.get_world_size() - 1:
+        if requested("enospc") == str(state.step) and rank == dist.get_world_size() - 1:  # (gapo.faults)
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp))
-        if fault == f"fill:{state.step}" and rank == 0:
+        if requested("fill") == str(state.step) and rank == 0:
             _fill(root)  # the disk fills up after the room check: the real writers below meet a real ENOSPC
         actor.engine.save_checkpoint(str(tmp / "ds"), tag="state", save_latest=False)
         torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
@@ -143,7 +143,7 @@ def save(actor, tokenizer, cfg: Config, state: TrainerState, run_dir: Path) -> P
                               f"it needs about {need / 2**30:.2f} GiB, {shutil.disk_usage(root).free / 2**30:.2f} GiB "
                               "are free. The partial checkpoint was removed; the earlier ones are intact")
     if rank == 0:
-        if os.environ.get("GAPO_FAULT") == f"kill_before_rename:{state.step}":  # fault injection (crash tests)
+        if requested("kill_before_rename") == str(state.step):  # (gapo.faults: the crash tests)
             os.kill(os.getpid(), 9)
         if final.exists():
             shutil.rmtree(final)

@@ -15,11 +15,10 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+# The chunking's constants live in the memory plan, which budgets them without importing torch.
+from gapo.memory import LOGIT_CHUNK
+from gapo.memory import LOGPROB_ROWS as ROWS
 from gapo.rollout.types import Rollout
-
-# Response tokens per vocab projection. The full [tokens, vocab] fp32 logits of a step never exist at
-# once: each chunk's logits are recomputed in backward (checkpoint) instead of being kept for it.
-LOGIT_CHUNK = 1024
 
 
 @dataclass
@@ -209,10 +208,6 @@ def _decode(base: torch.nn.Module, mb: MicroBatch) -> tuple[Tensor, Tensor]:
     out = base(input_ids=sp.suffix_ids, attention_mask=torch.cat([sp.prefix_mask[sp.row], sp.suffix_mask], 1),
                position_ids=sp.suffix_pos, past_key_values=cache, use_cache=True)
     return out.last_hidden_state, torch.arange(mb.resp_ids.shape[1], device=mb.resp_ids.device).expand_as(mb.resp_ids)
-
-
-# Rows of a chunk turned into probabilities at once: temporaries are [ROWS, V], never [chunk, V].
-ROWS = 64
 
 
 def _up(x: Tensor) -> Tensor:

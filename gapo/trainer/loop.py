@@ -31,30 +31,29 @@ from gapo import console, rundir
 from gapo.config import Config, ConfigError
 from gapo.data import Problem, Sampler, stop_token_ids, tokenize_problems
 from gapo.distributed import gather, init_distributed
+from gapo.evaluation import Bench, evaluate, load_benchmark, summary, write_results
+from gapo.faults import requested
 from gapo.memory import plan_text
 from gapo.models import check_context_budget, resolve_model
 from gapo.reward.registry import check_rewards, score_groups, training_set
 from gapo.reward.types import status_counts
 from gapo.rollout.engine import Engine, build_engine
 from gapo.rollout.types import Rollout, SamplingConfig
-from gapo.study.evaluate import Bench, evaluate, load_benchmark, summary, write_results
 from gapo.tracking import Tracker
 from gapo.trainer import checkpoint, preempt, sync
 from gapo.trainer.actor import Actor
 from gapo.trainer.batch import StepBatch
 from gapo.trainer.logprobs import MicroBatch, pack_step
 from gapo.trainer.losses import (
-    MismatchStats,
     RolloutStats,
     StepNorm,
     clip_high,
     kl_penalty,
-    mismatch_stats,
     policy_loss,
     rollout_weights,
 )
 from gapo.trainer.preempt import Preempted
-from gapo.trainer.step_metrics import RankStep, step_metrics
+from gapo.trainer.step_metrics import MismatchStats, RankStep, mismatch_stats, step_metrics
 
 log = logging.getLogger("gapo.train")
 
@@ -229,7 +228,7 @@ def train(cfg: Config) -> Path:
         timings: dict[str, float] = {}
         step_tic = time.perf_counter()
         before = s.sampler.state_dict(), checkpoint.rng_state()  # this step redone on resume, if it is abandoned
-        if os.environ.get("GAPO_FAULT") == f"signal:{step}" and rank == 0:  # fault injection (preemption tests)
+        if requested("signal") == str(step) and rank == 0:  # (gapo.faults: the preemption tests)
             os.kill(os.getpid(), signal.SIGTERM)
         # --- 1. prompts (the same global draw on every rank, each takes its contiguous shard) -> rollouts ------
         drawn = s.sampler.next(r.prompts_per_step)

@@ -1,4 +1,4 @@
-"""The algorithm core: group advantages, importance ratios, the clipped surrogate and its metrics.
+"""The algorithm core: group advantages, importance ratios, the clipped surrogate, the rollout weights.
 
 Pure torch, no I/O. Notation follows the GAPO paper (§3): a group of k rollouts of one prompt, c of
 them correct, advantage A_i = R_i - mean(R) (= (k-c)/k for a correct rollout with binary rewards),
@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:  # type hints only: this module needs torch alone
-    from gapo.config import AlgorithmConfig, IsLevel, RolloutCorrection
+    from gapo.config import AlgorithmConfig, RolloutCorrection
     from gapo.trainer.logprobs import MicroBatch
 
 # exp(±20) spans [2e-9, 5e8]. A log-ratio past that only comes from a numerically broken step; clamping
@@ -91,14 +91,6 @@ def group_advantages(rewards: Tensor, group_sizes: list[int] | Tensor, *, std_no
     if focal_gamma > 0:
         adv = adv * (1.0 - c / k) ** focal_gamma
     return GroupAdvantages(adv=adv.to(torch.float32), c=c, k=k, correct=correct)
-
-
-def group_metrics(c: Tensor, k: Tensor) -> dict[str, float]:
-    """Share of groups that are all correct / all wrong, from per-rollout c and k (each group weighs 1)."""
-    w = 1.0 / k.to(torch.float64)
-    groups = w.sum()
-    return {"group/all_correct_frac": float((w * (c == k)).sum() / groups),
-            "group/all_wrong_frac": float((w * (c == 0)).sum() / groups)}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -245,154 +237,9 @@ def rollout_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, rc: Ro
     return torch.where(keep, w, torch.zeros_like(w)).detach(), keep
 
 
-POSITION_BINS = 5  # the mismatch's profile along a response: fifths of its length
-
-
-@dataclass
-class MismatchStats:
-    """Per-rollout sums of the sampler-trainer mismatch (log r = log pi_old - log pi_rollout) over its response
-    tokens, and what the correction did to them; concatenated over a step, they give exact step metrics."""
-
-    c: Tensor  # [B] correct rollouts in its group
-    n_tokens: Tensor  # [B]
-    k1_sum: Tensor  # [B] sum of -log r: KL(pi_rollout || pi_old), k1 estimate
-    k3_sum: Tensor  # [B] sum of r - 1 - log r: the same KL, k3 estimate (non-negative)
-    abs_first: Tensor  # [B] |log r| of the first response token (0 when empty)
-    abs_last: Tensor  # [B] |log r| of the last
-    pos_abs: Tensor  # [B, POSITION_BINS] sum of |log r| per fifth of the response
-    pos_tokens: Tensor  # [B, POSITION_BINS]
-    kept: Tensor  # [B] tokens left in the loss by the correction (= n_tokens when off)
-    capped: Tensor  # [B] tokens whose weight the cap truncated
-    w_sum: Tensor  # [B] sum of the kept tokens' weights
-    w_max: Tensor  # [B]
-
-    @classmethod
-    def cat(cls, parts: list[MismatchStats]) -> MismatchStats:
-        return cls(**{f.name: torch.cat([getattr(p, f.name) for p in parts]) for f in fields(cls)})
-
-
-def mismatch_stats(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, c: Tensor, w: Tensor | None = None,
-                   keep: Tensor | None = None, cap: float = math.inf) -> MismatchStats:
-    """The per-rollout sums behind the logprob_mismatch/* and rollout_is/* metrics (w, keep: the correction's)."""
-    with torch.no_grad():
-        mask = mask.float()
-        d = ((old_logp - rollout_logp) * mask).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).double().cpu()
-        mask = mask.double().cpu()
-        n = mask.sum(-1)
-        last = (n - 1).clamp(min=0).long()
-        rel = torch.arange(d.shape[1], dtype=torch.float64)[None] / n.clamp(min=1)[:, None]  # position in [0, 1)
-        bins = (rel * POSITION_BINS).long().clamp(max=POSITION_BINS - 1)
-        onehot = torch.nn.functional.one_hot(bins, POSITION_BINS).double() * mask[..., None]  # [B, T, bins]
-        if w is None:
-            w, keep = mask, mask.bool()
-        w, keep = w.double().cpu(), keep.cpu()
-        return MismatchStats(
-            c=c.long().cpu(), n_tokens=n, k1_sum=(-d * mask).sum(-1), k3_sum=((d.exp() - 1 - d) * mask).sum(-1),
-            abs_first=d[:, 0].abs() * (n > 0), abs_last=d.gather(1, last[:, None]).squeeze(1).abs() * (n > 0),
-            pos_abs=(d.abs()[..., None] * onehot).sum(1), pos_tokens=onehot.sum(1), kept=keep.double().sum(-1),
-            # w = exp(log cap) may land a rounding below cap: within 1e-3 of it counts as capped
-            capped=((w >= cap * (1 - 1e-3)) & keep).double().sum(-1), w_sum=(w * keep).sum(-1),
-            w_max=torch.where(keep, w, torch.zeros_like(w)).amax(-1) if w.numel() else torch.zeros(len(n)))
-
-
-def mismatch_metrics(s: MismatchStats, correction: bool) -> dict[str, float]:
-    """logprob_mismatch/kl_k1, kl_k3 (token means), the first and last token's mean |log r| and its profile over
-    the response's fifths (pos1..pos5: mismatch grows along a response), k3 by c; with a correction on, the
-    rollout_is/* numbers: tokens and sequences it masked, tokens the cap truncated, mean and max weight, by c."""
-    tok = float(s.n_tokens.sum())
-    if tok == 0:
-        return {}
-    has = s.n_tokens > 0
-    out = {"logprob_mismatch/kl_k1": float(s.k1_sum.sum()) / tok, "logprob_mismatch/kl_k3": float(s.k3_sum.sum()) / tok,
-           "logprob_mismatch/first_token_abs": float(s.abs_first[has].mean()),
-           "logprob_mismatch/last_token_abs": float(s.abs_last[has].mean())}
-    pos = s.pos_abs.sum(0) / s.pos_tokens.sum(0).clamp(min=1)
-    out.update({f"logprob_mismatch/pos{i + 1}": float(v) for i, v in enumerate(pos)})
-    cs = sorted({int(x) for x in s.c[has]})
-    for cc in cs:
-        sel = has & (s.c == cc)
-        out[f"logprob_mismatch/kl_k1/c{cc}"] = float(s.k1_sum[sel].sum() / s.n_tokens[sel].sum())
-        out[f"logprob_mismatch/kl_k3/c{cc}"] = float(s.k3_sum[sel].sum() / s.n_tokens[sel].sum())
-    if correction:
-        for suffix, sel in [("", has), *((f"/c{cc}", has & (s.c == cc)) for cc in cs)]:
-            n_tok, kept, n_seq = float(s.n_tokens[sel].sum()), float(s.kept[sel].sum()), float(sel.sum())
-            out.update({f"rollout_is/masked_token_frac{suffix}": 1 - kept / n_tok,
-                        f"rollout_is/masked_seq_frac{suffix}": float((s.kept[sel] < s.n_tokens[sel]).sum()) / n_seq,
-                        f"rollout_is/truncated_token_frac{suffix}": float(s.capped[sel].sum()) / n_tok,
-                        f"rollout_is/truncated_seq_frac{suffix}": float((s.capped[sel] > 0).sum()) / n_seq,
-                        f"rollout_is/weight_mean{suffix}": float(s.w_sum[sel].sum()) / max(kept, 1.0),
-                        f"rollout_is/weight_max{suffix}": float(s.w_max[sel].max())})
-    return out
-
-
 def kl_penalty(logp: Tensor, ref_logp: Tensor, mask: Tensor, norm: StepNorm) -> Tensor:
     """k3 estimate of KL(pi || pi_ref) per token, token-mean over the step (optional; the paper uses none)."""
     d = (ref_logp - logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     return ((torch.exp(d) - 1 - d) * mask).sum() / norm.tokens
 
 
-def loss_metrics(s: RolloutStats, is_level: IsLevel) -> dict[str, float]:
-    """The paper's figures from per-rollout stats (one entry per rollout and update).
-
-    Clip fractions count tokens under token IS and rollouts under sequence IS (a sequence is clipped as a
-    whole). `clip_frac/c{c}` and `is_ratio/c{c}` cover positive-advantage (correct) rollouts of groups
-    with c correct, c = 1..k-1 (Fig. 3); `clip_hi/c{c}`, `clip_units/c{c}` (that fraction's numerator and
-    denominator) and `n_correct/c{c}` (its rollouts) are sums, so that a window of steps aggregates exactly
-    instead of averaging fractions of a handful of rollouts each. `is_adv_corr` is Pearson's r between the
-    sequence IS ratio and the advantage over rollouts with A != 0 (Fig. 5); zero-advantage rollouts carry
-    no gradient and would only dilute it.
-    """
-    seq = is_level == "sequence"
-    has = s.n_tokens > 0
-    if seq:  # a rollout counts once, clipped if its (shared) ratio is past the bound
-        units = has.float()
-        hi = ((s.clip_hi_tokens > 0) & has).float()
-        lo = ((s.clip_lo_tokens > 0) & has).float()
-    else:
-        units, hi, lo = s.n_tokens, s.clip_hi_tokens, s.clip_lo_tokens
-    total = units.sum().clamp(min=1)
-    out = {"clip_frac": float((hi + lo).sum() / total), "clip_frac/high": float(hi.sum() / total),
-           "clip_frac/low": float(lo.sum() / total),
-           "approx_kl": float(s.kl_sum.sum() / s.n_tokens.sum().clamp(min=1))}
-    ratio = torch.exp(s.seq_log_ratio.double())
-    pos = (s.adv > 0) & has
-    kmax = int(s.k.max()) if s.k.numel() else 0
-    for cc in range(1, kmax):
-        sel = pos & (s.c == cc)
-        if sel.any():
-            out[f"clip_frac/c{cc}"] = float(hi[sel].sum() / units[sel].sum().clamp(min=1))
-            out[f"is_ratio/c{cc}"] = float(ratio[sel].mean())
-            out[f"clip_hi/c{cc}"] = float(hi[sel].sum())
-            out[f"clip_units/c{cc}"] = float(units[sel].sum())
-            out[f"n_correct/c{cc}"] = float(sel.sum())
-    nz = (s.adv != 0) & has
-    out["is_adv_corr"] = pearson(ratio[nz], s.adv[nz].double())
-    out["is_ratio/mean"] = float(ratio[has].mean()) if has.any() else 1.0
-    return out
-
-
-def update_metrics(s: RolloutStats, off_policy: Tensor, is_level: IsLevel) -> dict[str, float]:
-    """`loss_metrics` over the off-policy updates under the plain names, over all updates under `all/`.
-
-    An update is off-policy when the weights have moved since sampling: every update but those of the step's
-    first mini-batch in epoch 0, which still runs at the sampling weights (IS ratio 1, nothing can clip).
-    Counting those would dilute every clip fraction and pull `is_adv_corr` toward the on-policy ratios of 1,
-    so Figs. 3 and 5 use the off-policy ones. A step with no off-policy update (one mini-batch, one epoch)
-    has none of the plain names: undefined, not 0.
-
-    off_policy: [N] bool, one per entry of `s`.
-    """
-    out = {f"all/{key}": v for key, v in loss_metrics(s, is_level).items()}
-    if off_policy.any():
-        off = RolloutStats(**{f.name: getattr(s, f.name)[off_policy] for f in fields(RolloutStats)})
-        out.update(loss_metrics(off, is_level))
-    return out
-
-
-def pearson(x: Tensor, y: Tensor) -> float:
-    """Pearson's r; NaN when either side has no spread (undefined, and reported as such)."""
-    if x.numel() < 2:
-        return float("nan")
-    x, y = x - x.mean(), y - y.mean()
-    den = torch.sqrt((x * x).sum() * (y * y).sum())
-    return float((x * y).sum() / den) if den > 0 else float("nan")

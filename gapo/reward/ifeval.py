@@ -23,12 +23,16 @@ import json
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
-from gapo.config import ConfigError
 from gapo.data import Problem
+from gapo.errors import ConfigError
+from gapo.reward.types import RewardResult
 
-log = logging.getLogger("gapo.ifeval")
+if TYPE_CHECKING:
+    from gapo.config import RewardConfig
+
+log = logging.getLogger("gapo.reward.ifeval")
 
 # Per-problem counts that ranks gather and sum; the metrics are ratios of their totals.
 COUNT_KEYS = ("samples", "prompt_strict", "prompt_loose", "instructions", "inst_strict", "inst_loose")
@@ -130,17 +134,16 @@ def loose_variants(response: str) -> list[str]:
 
 
 @dataclass(frozen=True)
-class SampleScore:
-    """One response: per instruction, followed strictly / loosely; status "correct" when all are followed
-    strictly, "error" when a checker raised (that instruction counts as not followed)."""
+class IFEvalResult(RewardResult):
+    """One response's reward result (status "correct" when every instruction is followed strictly, "error" when a
+    checker raised: that instruction counts as not followed) with its per-instruction verdicts, strict and loose,
+    which the benchmark's accuracies (`metrics`) are counted from."""
 
-    status: str
-    strict: tuple[bool, ...]
-    loose: tuple[bool, ...]
-    detail: str = ""
+    strict: tuple[bool, ...] = ()
+    loose: tuple[bool, ...] = ()
 
 
-def score(response: str, problem: Problem) -> SampleScore:
+def score(response: str, problem: Problem) -> IFEvalResult:
     variants = [v for v in loose_variants(response) if v.strip()]
     strict, loose, errors = [], [], []
     for iid, kw in zip(problem.gold, _kwargs(problem), strict=True):
@@ -154,10 +157,13 @@ def score(response: str, problem: Problem) -> SampleScore:
         strict.append(ok)
         loose.append(ok_loose)
     status = "error" if errors else "correct" if all(strict) else "wrong"
-    return SampleScore(status, tuple(strict), tuple(loose), "; ".join(errors)[:300])
+    return IFEvalResult(1.0 if status == "correct" else 0.0, status, "; ".join(errors)[:300], (), tuple(strict),
+                        tuple(loose))
 
 
-def score_groups(groups: list[list[str]], problems: list[Problem]) -> list[list[SampleScore]]:
+def score_records(groups: list[list[str]], problems: list[Problem], cfg: RewardConfig | None = None
+                  ) -> list[list[IFEvalResult]]:
+    """The rewarder table's scorer: every response against its prompt's instructions (no workers, no settings)."""
     out = [[score(r, p) for r in g] for g, p in zip(groups, problems, strict=True)]
     errors = [s.detail for g in out for s in g if s.status == "error"]
     if errors:
@@ -166,7 +172,13 @@ def score_groups(groups: list[list[str]], problems: list[Problem]) -> list[list[
     return out
 
 
-def counts(scores: list[SampleScore]) -> dict[str, int]:
+def prepare_benchmark(problems: list[Problem], where: str) -> list[Problem]:
+    """The rewarder table's load step: the sentence splitter checked, then the records (`prepare`)."""
+    require_sentence_splitter()
+    return prepare(problems, where)
+
+
+def counts(scores: list[IFEvalResult]) -> dict[str, int]:
     """One problem's counts (COUNT_KEYS) over its samples."""
     return {"samples": len(scores),
             "prompt_strict": sum(all(s.strict) for s in scores),
@@ -176,10 +188,11 @@ def counts(scores: list[SampleScore]) -> dict[str, int]:
             "inst_loose": sum(sum(s.loose) for s in scores)}
 
 
-def metrics(per_problem: Iterable[dict[str, Any]]) -> dict[str, float]:
-    """Prompt- and instruction-level accuracy, strict and loose, over all samples of all problems."""
+def metrics(per_problem: Iterable[list[IFEvalResult]]) -> dict[str, float]:
+    """The rewarder table's metrics: prompt- and instruction-level accuracy, strict and loose, over all samples of
+    all problems (each problem's results in a list)."""
     total = dict.fromkeys(COUNT_KEYS, 0)
-    for c in per_problem:
-        for k in COUNT_KEYS:
-            total[k] += c[k]
+    for results in per_problem:
+        for k, v in counts(results).items():
+            total[k] += v
     return {m: total[num] / total[den] if total[den] else 0.0 for m, (num, den) in METRICS.items()}
