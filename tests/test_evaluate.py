@@ -369,3 +369,25 @@ def test_gapo_eval_model_accepts_a_hub_id_and_names_what_failed(monkeypatch, tmp
     assert asked == ["Qwen/Qwen2.5-Math-1.5B"]
     with pytest.raises(ConfigError, match=r"--model \./nowhere/at/all: no such directory, and not a built-in"):
         resolve_eval_model("./nowhere/at/all")
+
+
+def test_each_run_is_evaluated_with_its_own_seed_unless_one_is_given(tmp_path):
+    """Runs of different seeds draw independent evaluation samples by default (their validation did too), so that
+    seeds of one method do not share their sampling noise; --seed pins one for all, and is part of the settings a
+    finished evaluation is matched against."""
+    import yaml
+
+    from gapo import rundir
+    from gapo.study.evaluate import parser, run_jobs
+
+    runs = {}
+    for seed in (0, 3):
+        ckpt = tmp_path / f"seed{seed}" / rundir.CHECKPOINTS / "step_000002"
+        ckpt.mkdir(parents=True)
+        (ckpt / rundir.STATE).write_text("{}")
+        (ckpt / rundir.CONFIG).write_text(yaml.safe_dump({"model": {"dtype": "float32"}, "trainer": {"seed": seed}}))
+        runs[seed] = tmp_path / f"seed{seed}"
+    default = parser().parse_args(["--run", str(runs[0]), str(runs[3]), "--benchmarks", "arithmetic"])
+    assert [job[2] for r in runs.values() for job in run_jobs(default, r)] == [0, 3]
+    pinned = parser().parse_args(["--run", str(runs[3]), "--benchmarks", "arithmetic", "--seed", "7"])
+    assert [job[2] for job in run_jobs(pinned, runs[3])] == [7]

@@ -130,7 +130,10 @@ def parser() -> argparse.ArgumentParser:
                     help="default: the run's model.dtype with --run, else bfloat16")
     ap.add_argument("--compile", choices=["auto", "cache", "aot", "eager"], default="auto",
                     help="vLLM's compile mode (rollout.compile)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=None,
+                    help="sampling seed (every problem's requests derive theirs from it); default: with --run each "
+                         "run's own trainer.seed, so that runs of different seeds draw independent samples, as their "
+                         "validation during training did; else 0")
     ap.add_argument("--workers", type=int, default=2, help="reward worker processes")
     ap.add_argument("--out", default=None, help="directory for results.json and per_problem.jsonl")
     return ap
@@ -155,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             model_dir, jobs = resolve_eval_model(args.model), []
             done = Path(args.out) / "results.json" if args.out else None
-            if done and done.is_file() and json.loads(done.read_text())["meta"].get("settings") == settings(args):
+            if done and done.is_file() and json.loads(done.read_text())["meta"].get("settings") == \
+                    settings(args, args.seed or 0):
                 print(f"gapo-eval: {done} holds this evaluation already", file=sys.stderr)
                 return 0
         benches = [load_benchmark(s.strip(), args.limit) for s in args.benchmarks.split(",") if s.strip()]
@@ -170,31 +174,33 @@ def main(argv: list[str] | None = None) -> int:
 
     init_distributed()
     max_pos = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings", 1 << 20)
-    engine = build_engine(args.engine, str(model_dir), dtype=args.dtype or "bfloat16", seed=args.seed,
+    engine = build_engine(args.engine, str(model_dir), dtype=args.dtype or "bfloat16", seed=args.seed or 0,
                           max_model_len=min(max_pos, 4096 + args.max_new_tokens), compile=args.compile)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    for i, (out, hf) in enumerate(jobs or [(Path(args.out) if args.out else None, model_dir)]):
+    for i, (out, hf, seed) in enumerate(jobs or [(Path(args.out) if args.out else None, model_dir, args.seed or 0)]):
         if i:  # the next checkpoint of the run: its weights into the same engine, as training pushes them
             engine.push_weights(checkpoint_weights(hf), version=i)
         results = evaluate(engine, tokenizer, benches, n=args.n, temperature=args.temperature, top_p=args.top_p,
                            max_new_tokens=args.max_new_tokens, instruction=args.instruction,
-                           reward=RewardConfig(num_workers=args.workers), seed=args.seed)
+                           reward=RewardConfig(num_workers=args.workers), seed=seed)
         print(f"{hf}:\n{table(results)}" if jobs else table(results))
         if out is not None:
-            write_results(results, out, {**vars(args), "model": str(hf), "settings": settings(args)})
+            write_results(results, out, {**vars(args), "seed": seed, "model": str(hf),
+                                         "settings": settings(args, seed)})
             print(f"wrote {out}/results.json and per_problem.jsonl")
     leave_distributed()
     return 0
 
 
-def settings(args: argparse.Namespace) -> dict:
+def settings(args: argparse.Namespace, seed: int) -> dict:
     """What makes two evaluations of one checkpoint the same: a rerun with these skips the step."""
-    return {k: getattr(args, k) for k in ("benchmarks", "n", "temperature", "top_p", "max_new_tokens", "limit",
-                                          "instruction", "seed")}
+    return {**{k: getattr(args, k) for k in ("benchmarks", "n", "temperature", "top_p", "max_new_tokens", "limit",
+                                             "instruction")}, "seed": seed}
 
 
-def run_jobs(args: argparse.Namespace, run: Path) -> list[tuple[Path, Path]]:
-    """(results directory, hf model) for each requested checkpoint of a run still to evaluate, in step order."""
+def run_jobs(args: argparse.Namespace, run: Path) -> list[tuple[Path, Path, int]]:
+    """(results directory, hf model, sampling seed) for each requested checkpoint of a run still to evaluate, in
+    step order."""
     found = rundir.checkpoints(run)
     if not found:
         raise ConfigError(f"--run {run}: no complete checkpoint in {run / rundir.CHECKPOINTS}")
@@ -212,8 +218,10 @@ def run_jobs(args: argparse.Namespace, run: Path) -> list[tuple[Path, Path]]:
             raise ConfigError(f"--run {run}: no checkpoint of step {', '.join(map(str, missing))} (kept: "
                               f"{', '.join(map(str, sorted(found)))}; trainer.keep_steps / keep_every keep a step "
                               "from pruning)")
+    saved = yaml.safe_load((found[steps[0]] / rundir.CONFIG).read_text())
     if args.dtype is None:
-        args.dtype = yaml.safe_load((found[steps[0]] / rundir.CONFIG).read_text())["model"]["dtype"]
+        args.dtype = saved["model"]["dtype"]
+    seed = args.seed if args.seed is not None else int(saved["trainer"]["seed"])
     name = args.name or (Path(args.protocol).stem if args.protocol else "custom")
     jobs = []
     for step in steps:
@@ -221,11 +229,11 @@ def run_jobs(args: argparse.Namespace, run: Path) -> list[tuple[Path, Path]]:
         done = out / "results.json"
         if done.is_file():
             had = json.loads(done.read_text())["meta"].get("settings")
-            if had == settings(args):
+            if had == settings(args, seed):
                 continue
             raise ConfigError(f"{done} was evaluated with other settings ({had}); give --name to keep both, or "
                               "remove it to evaluate again")
-        jobs.append((out, found[step] / "hf"))
+        jobs.append((out, found[step] / "hf", seed))
     return jobs
 
 
