@@ -152,6 +152,8 @@ def _data_sample(cfg: Config, run_dir: Path, p: Plan) -> dict:
         if stand_in is None:  # a kind with no stand-in set (ifeval, or one registered by a user): say what failed
             raise
         scaled.append(f"data.train: {shown} -> {stand_in['train']} (loader NOT checked, hub unreachable: {err})")
+        p.data_check = (f"NOT checked: {shown} could not be reached ({err}); the rehearsal trained on a stand-in "
+                        "set, so rehearse again where the data can be read")
         return stand_in
     sources = [d.train] if isinstance(d.train, str) else [x.source for x in d.train]
     local = all(x == "arithmetic" or Path(x).suffix in (".json", ".jsonl", ".parquet") for x in sources)

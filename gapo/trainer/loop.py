@@ -115,8 +115,8 @@ def setup(cfg: Config, rank: int, world: int) -> Setup:
             console.say(f"resume     auto: {found}")
 
     # Memory plan: from config.json alone, so a run that cannot fit stops before anything loads.
-    device_gb = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30 \
-        if torch.cuda.is_available() else None
+    device_gb = (torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
+                 if torch.cuda.is_available() else None)
     plan, fits = plan_text(cfg, world, device_gb)
     if device_gb and not fits and t.check_memory:  # GPU only; unverified here
         raise ConfigError(f"{plan}\nThe run does not fit this GPU: set trainer.max_tokens_per_micro_batch, lower "
@@ -254,8 +254,8 @@ def train(cfg: Config) -> Path:
             # step's state is saved, with the sampler and RNG from before this step.
             s.sampler.load_state_dict(before[0])
             checkpoint.set_rng_state(before[1])
-            reloaded = step == s.first_step and s.loaded is not None and \
-                s.loaded.parent.resolve() == (run_dir / rundir.CHECKPOINTS).resolve()
+            reloaded = (step == s.first_step and s.loaded is not None
+                        and s.loaded.parent.resolve() == (run_dir / rundir.CHECKPOINTS).resolve())
             if not reloaded:  # (else that state is the checkpoint this run loaded: rewriting would first remove it)
                 save(step - 1)
             raise Preempted(f"preempted {since:.0f} s ago: step {step} abandoned (it would end past "
