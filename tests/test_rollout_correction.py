@@ -59,6 +59,19 @@ def test_sequence_mask_by_the_geometric_mean():
     assert flat(w) == pytest.approx(flat([[0.0] * 3, [1.0, 1.0, 0.0]]))
 
 
+def test_a_long_response_inside_the_band_token_by_token_stays_although_its_product_leaves_it():
+    """Sequence-level masking tests the geometric mean, which does not tighten with length: 200 tokens each with
+    ratio 1.05 have a product of ~1.7e4 (far out of [0.5, 2]) and a geometric mean of 1.05 (inside). A product
+    test would drop this response; the geometric mean keeps it, with weight 1.05 on every token."""
+    log_r = torch.full((1, 200), math.log(1.05))
+    mask = torch.ones(1, 200)
+    rollout = torch.full((1, 200), -1.0)
+    assert math.exp(float(log_r.sum())) > 1e4
+    w, keep = rollout_weights(rollout + log_r, rollout, mask, rc(mode="mask", level="sequence", mask_low=0.5,
+                                                                 mask_high=2.0))
+    assert bool(keep.all()) and flat(w) == pytest.approx([1.05] * 200)
+
+
 def test_reject_by_the_k3_divergence():
     k3 = lambda x: math.exp(x) - 1 - x  # noqa: E731
     w, keep = rollout_weights(OLD, ROLL, MASK, rc(mode="reject", level="token", kl_max=0.01))
