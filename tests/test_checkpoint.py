@@ -578,7 +578,7 @@ def test_ranks_killed_by_a_preemption_signal_before_their_handler_are_preempted_
     checkpoint is lost, so the launcher that handed the signal on exits 75 and the SLURM task requeues."""
     from gapo.launch import exit_code
 
-    term, usr1, kill = -signal.SIGTERM, -signal.SIGUSR1, -signal.SIGKILL
+    term, usr1 = -signal.SIGTERM, -signal.SIGUSR1
     assert exit_code({term}, {signal.SIGTERM}) == 75 and exit_code({usr1, term}, {signal.SIGUSR1}) == 75
     assert exit_code({usr1, 75}, {signal.SIGUSR1}) == 75
     assert exit_code({term}) is None and exit_code({usr1}, {signal.SIGTERM}) is None  # not the signal it handed on
