@@ -318,6 +318,21 @@ def test_budget_reports_gpus_memory_and_hours():
     assert "9 runs of 8 GPU(s)" in text and "GPU-hours" in text and "memory plan" in text
 
 
+def test_budget_counts_the_evaluation_and_the_checkpoints_disk():
+    """Table 3 (Qwen): 24 runs x 10 evaluated checkpoints x 2,131 problems x 256 samples, about 3x the training;
+    each kept checkpoint ~16 bytes per parameter (weights, fp32 weights and Adam's moments), ~6 TB in all."""
+    from gapo.study.sweep import budget
+
+    m = load_manifest("table3_qwen")
+    text = budget(m, jobs(m))
+    train = float(re.search(r"training +~([\d,]+) GPU-hours", text)[1].replace(",", ""))
+    evaluation = float(re.search(r"evaluation ~([\d,]+) GPU-hours \(545,536 samples", text)[1].replace(",", ""))
+    assert 2_131 * 256 == 545_536 and 2.5 * train < evaluation < 4 * train
+    disk, weights_only = map(float, re.search(r"disk +([\d.]+) TB .* ([\d.]+) TB if those kept", text).groups())
+    assert 5 < disk < 7 and weights_only < disk / 2
+    assert "10 kept checkpoints" in text  # eval.steps (10) and the newest keep_last among them
+
+
 def _fake_results(root: Path, m, values: dict[tuple[str, int], float]) -> None:
     for j in jobs(m, root):
         v = values.get((j.run.name, j.seed))
