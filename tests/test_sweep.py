@@ -431,3 +431,13 @@ def test_the_intervention_manifest_rehearses_parent_kept_checkpoint_branch(tmp_p
     assert (cfg.algorithm.name, cfg.trainer.resume_from) == ("gapo", str(parent / "checkpoints" / "step_000001"))
     rows = [json.loads(x) for x in (branch / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["branch/parent_step"] == 1 and [x["step"] for x in rows if "reward/mean" in x] == [2, 3]
+
+
+def test_gapo_train_help_names_the_signals_slurm_sends(capsys):
+    from gapo.cli import train_main
+
+    with pytest.raises(SystemExit):
+        train_main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "SIGTERM, what SLURM sends at a preemption" in text and "--signal=USR1@300" in text
+    assert "exit 75" in text and "GraceTime" in text
