@@ -1,12 +1,14 @@
 """gapo-sweep: a paper table or figure as one manifest, runs x seeds, and the commands that make it.
 
     gapo-sweep FILE --print        one fully resolved gapo-train command per line (any scheduler)
-    gapo-sweep FILE --slurm        a SLURM job-array script per stage (branches wait for their parents), and submit.sh
+    gapo-sweep FILE --slurm        SLURM job arrays (runs; branches, each after its parent; each run's evaluation
+                                   after it) and submit.sh, which submits them from any folder
+    gapo-sweep FILE --eval --slurm the evaluation array alone and submit_eval.sh (evaluated checkpoints skipped)
     gapo-sweep FILE --run          the runs one after another here: finished ones skipped, interrupted ones resumed
     gapo-sweep FILE --rehearse     every distinct run of the file (seeds aside) rehearsed on the CPU, branches from
                                    their parent's rehearsed checkpoint
     gapo-sweep FILE --eval         gapo-eval --run on every run's checkpoints under the file's protocol (--print: list)
-    gapo-sweep FILE --budget       GPUs, memory plan and estimated GPU-hours per run and in total
+    gapo-sweep FILE --budget       GPUs, memory plan, estimated GPU-hours (training, evaluation) and checkpoint disk
     gapo-compare FILE              then the table (markdown, CSV) and figures from the evaluations
 
 A manifest (experiments/*.yaml) names a config, its runs (overrides, or a branch from another run's checkpoint),
