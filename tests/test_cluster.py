@@ -109,6 +109,7 @@ def chain(slurm, tmp_path_factory):
     _run([str(BIN / "gapo-sweep"), M, "--eval"], local, env)
     _run([str(BIN / "gapo-compare"), M], local, env, timeout=300)
     out["local_table"] = (local / "runs" / M / "compare" / "table.md").read_text()
+    out["local"] = local / "runs" / M
     print(f"cluster chain: {out['chain_s']:.0f} s under SLURM, {time.monotonic() - out['t0']:.0f} s in all")
     return out
 
@@ -178,6 +179,21 @@ def test_the_evaluation_runs_as_jobs_and_skips_what_is_done(chain):
             assert (chain["runs"] / run / "seed0" / "eval" / "tiny" / f"step_{step:06d}" / "results.json").is_file()
 
 
+def _rows(run: Path) -> list[dict]:
+    """metrics.jsonl without timings: what a preemption and a resume must not change."""
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith("time/") and "wall" not in k} for r in rows]
+
+
 def test_the_table_equals_the_local_chains(chain):
+    """The table, and beneath it every step's metrics and every evaluation, equal those of `gapo-sweep --run` +
+    `--eval` here (fp32): the preempted and the time-limited runs lost nothing and redid nothing differently."""
     assert "| GAPO |" in chain["table"] and "| GSPO |" in chain["table"] and "## Missing" not in chain["table"]
     assert chain["table"] == chain["local_table"]
+    for run, steps in (("gapo", (30, 60)), ("gspo", (30, 60)), ("gapo_from_gspo", (60,))):
+        ours, local = chain["runs"] / run / "seed0", chain["local"] / run / "seed0"
+        assert _rows(ours) == _rows(local), run
+        for step in steps:
+            result = f"eval/tiny/step_{step:06d}/results.json"
+            assert json.loads((ours / result).read_text())["metrics"] == \
+                json.loads((local / result).read_text())["metrics"], (run, step)
