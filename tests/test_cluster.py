@@ -91,7 +91,7 @@ def chain(slurm, tmp_path_factory):
 
     # The evaluation again, submitted from another folder, one result removed: that one is redone, the others
     # are skipped (what a requeued evaluation task does).
-    redo = runs / "gapo_from_gspo" / "seed0" / "eval" / "tiny" / "step_000060"
+    redo = runs / "gapo_from_gspo" / "seed0" / "eval" / "tiny" / "step_000100"
     out["before"] = json.loads((redo / "results.json").read_text())["metrics"]
     _run([str(BIN / "gapo-sweep"), M, "--eval", "--slurm"], clone, env)
     shutil.rmtree(redo)
@@ -151,8 +151,8 @@ def test_a_preempted_and_a_time_limited_task_requeue_and_resume_from_their_own_c
     assert f"gapo.launch: {signal} received" in log and "saved after a signal (exit 75)" in log
     assert ", start 1 on " in log and ", start 2 on " in log  # both attempts in one log (--open-mode=append)
     resumed = re.search(rf"resume     auto: from runs/{M}/{run}/seed0/checkpoints/step_(\d+) \(step (\d+)\)", log)
-    assert resumed and 10 <= int(resumed[2]) < 60, log[-3000:]
-    assert _steps(chain["runs"] / run / "seed0") == list(range(1, 61))  # each step once, none lost
+    assert resumed and 10 <= int(resumed[2]) < 100, log[-3000:]
+    assert _steps(chain["runs"] / run / "seed0") == list(range(1, 101))  # each step once, none lost
 
 
 def test_the_branch_waits_for_its_own_parent(chain):
@@ -163,8 +163,8 @@ def test_the_branch_waits_for_its_own_parent(chain):
     branch = _log(chain, chain["ids"]["gapo_from_gspo seed 0"])
     branch_start = re.search(r", start 1 on \S+ at (\S+)", branch)[1]
     assert branch_start >= gspo_end  # ISO times of one clock
-    assert f"runs/{M}/gspo/seed0/checkpoints/step_000030" in branch
-    assert _steps(chain["runs"] / "gapo_from_gspo" / "seed0") == list(range(31, 61))
+    assert f"runs/{M}/gspo/seed0/checkpoints/step_000050" in branch
+    assert _steps(chain["runs"] / "gapo_from_gspo" / "seed0") == list(range(51, 101))
 
 
 def test_the_evaluation_runs_as_jobs_and_skips_what_is_done(chain):
@@ -174,7 +174,7 @@ def test_the_evaluation_runs_as_jobs_and_skips_what_is_done(chain):
         log = _log(chain, chain["eval_ids"][f"evaluation of {what} seed 0"])
         assert "every requested step is evaluated already" in log, log[-2000:]
     assert chain["after"] == chain["before"]
-    for run, steps in (("gapo", (30, 60)), ("gspo", (30, 60)), ("gapo_from_gspo", (60,))):
+    for run, steps in (("gapo", (50, 100)), ("gspo", (50, 100)), ("gapo_from_gspo", (100,))):
         for step in steps:
             assert (chain["runs"] / run / "seed0" / "eval" / "tiny" / f"step_{step:06d}" / "results.json").is_file()
 
@@ -190,7 +190,7 @@ def test_the_table_equals_the_local_chains(chain):
     `--eval` here (fp32): the preempted and the time-limited runs lost nothing and redid nothing differently."""
     assert "| GAPO |" in chain["table"] and "| GSPO |" in chain["table"] and "## Missing" not in chain["table"]
     assert chain["table"] == chain["local_table"]
-    for run, steps in (("gapo", (30, 60)), ("gspo", (30, 60)), ("gapo_from_gspo", (60,))):
+    for run, steps in (("gapo", (50, 100)), ("gspo", (50, 100)), ("gapo_from_gspo", (100,))):
         ours, local = chain["runs"] / run / "seed0", chain["local"] / run / "seed0"
         assert _rows(ours) == _rows(local), run
         for step in steps:
