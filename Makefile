@@ -36,9 +36,10 @@ install-gpu:
 lint: install
 	$(BIN)/ruff check gapo tests bench
 
-# Tiers (tests/conftest.py): unmarked unit tests and the `smoke` tests; `test-all` adds the `e2e` and `dist` tiers.
+# Tiers (tests/conftest.py): unmarked unit tests and the `smoke` tests; `test-all` adds the `e2e`, `dist` and
+# `cluster` tiers (cluster: a real SLURM, as root with slurm-wlm and munge installed; skipped elsewhere).
 test: install lint
-	$(BIN)/python -m pytest -q -m "not (e2e or dist) or smoke" tests
+	$(BIN)/python -m pytest -q -m "not (e2e or dist or cluster) or smoke" tests
 
 test-all: install lint
 	$(BIN)/python -m pytest -q --durations=25 tests

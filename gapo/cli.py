@@ -15,10 +15,17 @@ from gapo import console, rundir
 from gapo.config import ConfigError, dump_config, field_descriptions, load_config
 from gapo.distributed import free_port
 
+TRAIN_DESCRIPTION = """Train a policy with GAPO and its baselines.
+
+Signals (SLURM): SIGTERM, what SLURM sends at a preemption (SIGKILL follows after the partition's GraceTime), and
+SIGUSR1, what `sbatch --signal=USR1@300` sends 300 s before the time limit, both make every rank finish (or
+abandon) its step, save, and exit 75; `--resume auto` then goes on from that checkpoint. GraceTime and the
+signal's lead must exceed trainer.preempt_deadline_s plus a save (README, "Running on a cluster")."""
+
 
 def train_main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(prog="gapo-train", description="Train a policy with GAPO and its baselines.",
+    p = argparse.ArgumentParser(prog="gapo-train", description=TRAIN_DESCRIPTION,
                                 epilog=_fields_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="YAML file, or the name of a config shipped in configs/")
     p.add_argument("--print-config", action="store_true",

@@ -32,7 +32,14 @@ def _children() -> list[int]:
     return found
 
 
+_received: set[int] = set()  # the preemption signals this launcher has handed on
+
+
 def _forward(signum, frame) -> None:  # noqa: ARG001 - signal's signature
+    if signum not in _received:  # say once which signal came (a SLURM log then tells preemption from time limit)
+        os.write(2, f"gapo.launch: {signal.Signals(signum).name} received: handed to the ranks, which save and "
+                    f"exit {PREEMPTED}\n".encode())
+    _received.add(signum)
     for pid in _children():
         with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
             os.kill(pid, signum)
@@ -42,15 +49,19 @@ STOPPED = {-signal.SIGTERM, -signal.SIGKILL}  # how torchrun stops the other ran
 TOLD = {2, 3}  # gapo-train's exits after a message of its own (a config error; a run that cannot go on)
 
 
-def exit_code(codes: set[int]) -> int | None:
+def exit_code(codes: set[int], received: set[int] = frozenset()) -> int | None:
     """This launcher's exit from the failed ranks' exit codes, or None when a rank died (the caller says which).
 
     A rank exits PREEMPTED only after the collective save's final barrier, so the checkpoint is whole even when
     torchrun stopped a slower rank on its way out; likewise a rank that exited 2 or 3 has said why on the console,
-    and its code is the run's."""
+    and its code is the run's. Ranks killed by a preemption signal this launcher `received` and handed on (it came
+    before a rank installed its handler, while it was starting) lost nothing since their last checkpoint: that is
+    PREEMPTED too, so that the job requeues instead of failing."""
     for code in (PREEMPTED, *sorted(TOLD)):
         if code in codes and codes <= {code} | STOPPED:
             return code
+    if received and codes <= {-s for s in received} | STOPPED | {PREEMPTED}:
+        return PREEMPTED
     return None
 
 
@@ -66,7 +77,7 @@ def main() -> int:
     try:
         torchrun()
     except ChildFailedError as err:
-        code = exit_code({f.exitcode for f in err.failures.values()})
+        code = exit_code({f.exitcode for f in err.failures.values()}, _received)
         if code is not None:
             return code
         for rank, f in sorted(err.failures.items()):

@@ -17,6 +17,9 @@ Tiers (pyproject.toml registers the markers; --strict-markers makes a misspelled
 - `e2e`: starts gapo-train, gapo-eval, gapo-sweep or a rehearsal in a subprocess (real vLLM, DeepSpeed, rewarders).
 - `dist`: a torchrun check on several ranks.
 - `smoke`: an e2e or dist test that `make test` runs anyway, so that the fast tier still exercises the real stack.
+- `cluster`: runs jobs under a real SLURM (munged, slurmctld, slurmd started by the session fixture `slurm`,
+  tests/slurm_cluster.py). Where SLURM cannot start (not root, packages missing) these tests skip with the reason;
+  CI sets GAPO_REQUIRE_SLURM=1 (CI=true does the same), and there they fail instead.
 `make test-all` (CI) runs every tier. A test that launches one of those programs without its marker fails at
 once (`_guard_launches`), and one that uses the `torchrun` fixture without `dist` fails collection, so a slow
 test cannot hide in the fast tier.
@@ -51,7 +54,8 @@ def _guard_launches(self, args, *rest, **kwargs):
     if item is not None and not {"--help", "--print-config", "--print", "--budget"} & set(words):  # read configs only
         marks = {m.name for m in item.iter_markers()}
         for needle, marker in LAUNCHES:
-            if any(needle in w for w in words) and marker not in marks and not (marker == "e2e" and "dist" in marks):
+            if any(needle in w for w in words) and marker not in marks and not (marker == "e2e" and
+                                                                                 {"dist", "cluster"} & marks):
                 raise pytest.fail.Exception(f"{item.nodeid} starts {needle} but is not marked @pytest.mark.{marker}: "
                                             "mark it (tests/conftest.py, Tiers), or `make test` would run it in the "
                                             "fast tier", pytrace=False)
@@ -78,6 +82,30 @@ def pytest_collection_modifyitems(config, items):
                                 + ", ".join(missing))
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory):
+    """A one-node SLURM (tests/slurm_cluster.py) for the session: started at first use, stopped by pid after.
+    Skipped with the reason where it cannot start; failed instead under GAPO_REQUIRE_SLURM=1 or CI=true."""
+    from slurm_cluster import Cluster, unavailable
+
+    def cannot(reason: str):
+        if os.environ.get("GAPO_REQUIRE_SLURM") == "1" or os.environ.get("CI") == "true":
+            pytest.fail(f"GAPO_REQUIRE_SLURM=1 / CI=true: {reason}", pytrace=False)
+        pytest.skip(reason)
+
+    why = unavailable()
+    if why:
+        cannot(why)
+    cluster = Cluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        cluster.start()
+    except (RuntimeError, subprocess.CalledProcessError, OSError) as err:
+        cluster.stop()
+        cannot(f"SLURM did not start: {err}")
+    yield cluster
+    cluster.stop()
 
 # Files whose public dataset should hold the same records with the fields the tests read (unverified here:
 # our machines reach no hub). The other files are the rllm project's own layout (fields the public sets lack,

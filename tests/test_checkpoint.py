@@ -574,3 +574,15 @@ def test_the_launcher_keeps_a_rank_exit_that_explains_itself():
     assert exit_code({3, term}) == 3 and exit_code({2}) == 2
     assert exit_code({1}) is None and exit_code({kill}) is None and exit_code({3, 1}) is None
     assert exit_code({75, 3}) is None  # two different stories: name the ranks
+
+
+def test_ranks_killed_by_a_preemption_signal_before_their_handler_are_preempted_too():
+    """A signal that reached a rank still starting (its handler not yet installed) kills it; nothing since the last
+    checkpoint is lost, so the launcher that handed the signal on exits 75 and the SLURM task requeues."""
+    from gapo.launch import exit_code
+
+    term, usr1 = -signal.SIGTERM, -signal.SIGUSR1
+    assert exit_code({term}, {signal.SIGTERM}) == 75 and exit_code({usr1, term}, {signal.SIGUSR1}) == 75
+    assert exit_code({usr1, 75}, {signal.SIGUSR1}) == 75
+    assert exit_code({term}) is None and exit_code({usr1}, {signal.SIGTERM}) is None  # not the signal it handed on
+    assert exit_code({1, term}, {signal.SIGTERM}) is None  # a rank that failed on its own: named by the caller

@@ -177,38 +177,95 @@ def test_slurm_scripts_parse_and_branches_wait_for_their_parents(tmp_path):
     m = load_manifest("fig7_intervention")
     written = slurm(m, jobs(m), tmp_path)
     assert [p.name for p in written] == ["fig7_intervention.runs.sbatch", "fig7_intervention.branches.sbatch",
-                                         "submit.sh"]
+                                         "fig7_intervention.eval.sbatch", "submit.sh"]
     for p in written:
         r = subprocess.run(["bash", "-n", str(p)], capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
-    runs, branches, submit = (p.read_text() for p in written)
+    runs, branches, ev, submit = (p.read_text() for p in written)
     assert "#SBATCH --array=0-2" in runs and "#SBATCH --requeue" in runs and "--gpus-per-node=8" in runs
-    assert "--dependency=aftercorr:$RUNS" in submit
+    assert "#SBATCH --cpus-per-task=32" in runs and "#SBATCH --time" not in runs  # 4 per rank; the partition's
+    # Each branch task waits for its own parent's task, and each evaluation for its run's training.
+    assert "aftercorr" not in submit
+    for seed in range(3):
+        assert f"--array={seed} --job-name=fig7_intervention-gapo_from_600-seed{seed} " \
+               f"--dependency=afterok:${{RUNS}}_{seed} " in submit
+        assert f"--array={3 + seed} --dependency=afterok:${{B{seed}}}_{seed} " in submit
     # A branch task starts from its parent's step-600 checkpoint, a requeued one from its own latest.
     assert "runs/fig7_intervention/gspo_asym/seed1/checkpoints/step_000600" in branches
     assert 'RESUME=(--resume auto)' in branches and "--signal=USR1@300" in runs
-    assert 'scontrol requeue "${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"' in runs  # a preempted task (exit 75)
+    assert 'scontrol requeue "$SLURM_JOB_ID"' in runs  # a preempted task (exit 75)
+    assert "#SBATCH --signal=B:USR1@300" in ev and "--steps 600,700,800,900,1000" in ev
+
+
+def test_slurm_scripts_hold_from_any_folder_and_take_the_schedulers_options(tmp_path, monkeypatch):
+    """Paths are absolute (the log folder, the scripts) or relative to --chdir, the folder gapo-sweep ran in;
+    submit.sh creates the log folder; a CPU manifest asks for no GPU and for its own CPUs; the command line's
+    --partition, --time, ... go over the manifest's slurm: block; two parents and a branch of the second: the
+    branch waits for task 1."""
+    from gapo.study.sweep import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["tiny_cluster", "--slurm", "--partition", "cpu", "--account", "lab", "--qos", "low", "--mem",
+                 "4G", "--constraint", "zen"]) == 0
+    d = tmp_path / "runs" / "tiny_cluster" / "slurm"
+    runs, ev, submit = ((d / f).read_text() for f in ("tiny_cluster.runs.sbatch", "tiny_cluster.eval.sbatch",
+                                                       "submit.sh"))
+    for text in (runs, ev):
+        assert f"#SBATCH --chdir={tmp_path}\n" in text and f"#SBATCH --output={d}/logs/%x-%A_%a.out" in text
+        assert "--gpus-per-node" not in text and "#SBATCH --cpus-per-task=2\n" in text
+        for line in ("--partition=cpu", "--account=lab", "--qos=low", "--mem=4G", "--constraint=zen"):
+            assert f"#SBATCH {line}\n" in text
+    assert "#SBATCH --time=0:30:00\n" in runs and "#SBATCH --time=0:20:00\n" in ev  # the manifest's
+    assert 'srun --cpus-per-task="$SLURM_CPUS_PER_TASK"' in runs and 'srun --cpus-per-task="$SLURM_CPUS_PER_TASK"' in ev
+    assert '--rdzv_endpoint "$HEAD:$PORT"' in runs and "29500" not in runs
+    assert f"mkdir -p {d}/logs" in submit and "cd " not in submit and f"submit {d}/tiny_cluster.runs.sbatch" in submit
+    assert "--dependency=afterok:${RUNS}_1 " in submit and "B0=$(submit --array=0 " in submit
+    assert main(["tiny_cluster", "--slurm", "--time", "2:00:00"]) == 0
+    assert "#SBATCH --time=2:00:00\n" in (d / "tiny_cluster.runs.sbatch").read_text()
+    assert main(["tiny_cluster", "--eval", "--slurm"]) == 0
+    sub = (d / "submit_eval.sh").read_text()
+    assert "dependency" not in sub and f"EVAL=$(submit {d}/tiny_cluster.eval.sbatch)" in sub
+
+
+def test_a_signal_lead_shorter_than_the_preemption_deadline_is_refused(tmp_path):
+    f = tmp_path / "m.yaml"
+    f.write_text((EXPERIMENTS_DIR / "tiny_cpu.yaml").read_text().replace("cpus_per_task: 2}",
+                                                                         "cpus_per_task: 2, signal_lead_s: 200}"))
+    with pytest.raises(ConfigError, match=r"slurm.signal_lead_s=200 must exceed run gapo's "
+                                          r"trainer.preempt_deadline_s=240"):
+        from gapo.study.sweep import check
+        m = load_manifest(f)
+        check(m, jobs(m))
+
+
+def _fake_slurm(tmp_path: Path) -> Path:
+    """Stand-ins for srun, python (the launcher) and scontrol that record their arguments."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "srun").write_text('#!/bin/bash\necho "$@" > "$RECORD.srun"; shift; "$@"\n')
+    (fake / "python").write_text('#!/bin/bash\nif [ "$1" = -c ]; then echo 40001; exit; fi\n'
+                                 'printf "%s\\n" "$@" > "$RECORD"\nexit "${EXIT:-0}"\n')
+    (fake / "scontrol").write_text('#!/bin/bash\necho "$@" >> "$RECORD.scontrol"; echo node1\n')
+    for f in fake.iterdir():
+        f.chmod(0o755)
+    return fake
 
 
 def test_slurm_script_runs_the_right_command_for_each_task(tmp_path):
     """The script's task-to-command mapping, executed with stand-ins for srun, torchrun and scontrol."""
     m = load_manifest("fig7_intervention")
     js = jobs(m, tmp_path / "runs")
-    _, branches, _ = slurm(m, js, tmp_path / "slurm")
-    fake = tmp_path / "bin"
-    fake.mkdir()
-    (fake / "srun").write_text('#!/bin/bash\n"$@"\n')
-    (fake / "python").write_text('#!/bin/bash\nprintf "%s\\n" "$@" > "$RECORD"\nexit "${EXIT:-0}"\n')
-    (fake / "scontrol").write_text('#!/bin/bash\necho "$@" >> "$RECORD.scontrol"; echo node1\n')
-    for f in fake.iterdir():
-        f.chmod(0o755)
+    _, branches, _, _ = slurm(m, js, tmp_path / "slurm")
+    fake = _fake_slurm(tmp_path)
     env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "SLURM_ARRAY_TASK_ID": "1", "SLURM_NNODES": "1",
            "SLURM_JOB_NODELIST": "node1", "RECORD": str(tmp_path / "args"), "GAPO_PYTHON": str(fake / "python"),
-           "SLURM_ARRAY_JOB_ID": "77"}
+           "SLURM_JOB_ID": "78", "SLURM_CPUS_PER_TASK": "32"}
     assert subprocess.run(["bash", str(branches)], env=env).returncode == 0
     args = (tmp_path / "args").read_text().split("\n")
     job = [j for j in js if j.parent is not None][1]
     assert args[args.index("--resume") + 1] == str(job.resume) and f"trainer.output_dir={job.out}" in args
+    assert args[args.index("--rdzv_endpoint") + 1] == "node1:40001"  # the port the batch host found free
+    assert (tmp_path / "args.srun").read_text().startswith("--cpus-per-task=32 ")
     (job.out / "checkpoints").mkdir(parents=True)
     (job.out / "checkpoints" / "latest").write_text("step_000700")  # requeued after saving step 700
     assert subprocess.run(["bash", str(branches)], env=env).returncode == 0
@@ -216,7 +273,30 @@ def test_slurm_script_runs_the_right_command_for_each_task(tmp_path):
     assert args[args.index("--resume") + 1] == "auto" and args[:2] == ["-m", "gapo.launch"]
     assert "requeue" not in (tmp_path / "args.scontrol").read_text()
     r = subprocess.run(["bash", str(branches)], env={**env, "EXIT": "75"})  # preempted: the task requeues itself
-    assert r.returncode == 75 and "requeue 77_1" in (tmp_path / "args.scontrol").read_text()
+    assert r.returncode == 75 and "requeue 78" in (tmp_path / "args.scontrol").read_text()
+
+
+def test_a_branch_stopped_before_its_first_save_starts_over_from_its_parent(tmp_path):
+    """Requeued with a metrics.jsonl and a half-written checkpoint but no complete checkpoint of its own, the
+    branch task clears them and starts from its parent's checkpoint again (gapo-train refuses a directory that
+    holds a run, which would fail every requeue); the run's other files stay."""
+    m = load_manifest("fig7_intervention")
+    js = jobs(m, tmp_path / "runs")
+    _, branches, _, _ = slurm(m, js, tmp_path / "slurm")
+    fake = _fake_slurm(tmp_path)
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "SLURM_ARRAY_TASK_ID": "0", "SLURM_NNODES": "1",
+           "SLURM_JOB_NODELIST": "node1", "RECORD": str(tmp_path / "args"), "GAPO_PYTHON": str(fake / "python"),
+           "SLURM_JOB_ID": "79", "SLURM_CPUS_PER_TASK": "32", "SLURM_RESTART_COUNT": "1"}
+    job = [j for j in js if j.parent is not None][0]
+    (job.out / "checkpoints" / ".tmp-step_000700").mkdir(parents=True)
+    (job.out / "metrics.jsonl").write_text('{"step": 601}\n')
+    (job.out / "train.log").write_text("the first start\n")
+    r = subprocess.run(["bash", str(branches)], env=env, capture_output=True, text=True)
+    assert r.returncode == 0 and "starting over" in r.stdout
+    args = (tmp_path / "args").read_text().split("\n")
+    assert args[args.index("--resume") + 1] == str(job.resume)
+    assert not (job.out / "metrics.jsonl").exists() and not (job.out / "checkpoints").exists()
+    assert (job.out / "train.log").read_text() == "the first start\n"
 
 
 def test_bad_manifests_name_the_field(tmp_path):
@@ -238,6 +318,21 @@ def test_budget_reports_gpus_memory_and_hours():
 
     text = budget(load_manifest("table1_r1"), jobs(load_manifest("table1_r1")))
     assert "9 runs of 8 GPU(s)" in text and "GPU-hours" in text and "memory plan" in text
+
+
+def test_budget_counts_the_evaluation_and_the_checkpoints_disk():
+    """Table 3 (Qwen): 24 runs x 10 evaluated checkpoints x 2,131 problems x 256 samples, about 3x the training;
+    each kept checkpoint ~16 bytes per parameter (weights, fp32 weights and Adam's moments), ~6 TB in all."""
+    from gapo.study.sweep import budget
+
+    m = load_manifest("table3_qwen")
+    text = budget(m, jobs(m))
+    train = float(re.search(r"training +~([\d,]+) GPU-hours", text)[1].replace(",", ""))
+    evaluation = float(re.search(r"evaluation ~([\d,]+) GPU-hours \(545,536 samples", text)[1].replace(",", ""))
+    assert 2_131 * 256 == 545_536 and 2.5 * train < evaluation < 4 * train
+    disk, weights_only = map(float, re.search(r"disk +([\d.]+) TB .* ([\d.]+) TB if those kept", text).groups())
+    assert 5 < disk < 7 and weights_only < disk / 2
+    assert "10 kept checkpoints" in text  # eval.steps (10) and the newest keep_last among them
 
 
 def _fake_results(root: Path, m, values: dict[tuple[str, int], float]) -> None:
@@ -350,3 +445,13 @@ def test_the_intervention_manifest_rehearses_parent_kept_checkpoint_branch(tmp_p
     assert (cfg.algorithm.name, cfg.trainer.resume_from) == ("gapo", str(parent / "checkpoints" / "step_000001"))
     rows = [json.loads(x) for x in (branch / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["branch/parent_step"] == 1 and [x["step"] for x in rows if "reward/mean" in x] == [2, 3]
+
+
+def test_gapo_train_help_names_the_signals_slurm_sends(capsys):
+    from gapo.cli import train_main
+
+    with pytest.raises(SystemExit):
+        train_main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "SIGTERM, what SLURM sends at a preemption" in text and "--signal=USR1@300" in text
+    assert "exit 75" in text and "GraceTime" in text

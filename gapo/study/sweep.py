@@ -1,12 +1,14 @@
 """gapo-sweep: a paper table or figure as one manifest, runs x seeds, and the commands that make it.
 
     gapo-sweep FILE --print        one fully resolved gapo-train command per line (any scheduler)
-    gapo-sweep FILE --slurm        a SLURM job-array script per stage (branches wait for their parents), and submit.sh
+    gapo-sweep FILE --slurm        SLURM job arrays (runs; branches, each after its parent; each run's evaluation
+                                   after it) and submit.sh, which submits them from any folder
+    gapo-sweep FILE --eval --slurm the evaluation array alone and submit_eval.sh (evaluated checkpoints skipped)
     gapo-sweep FILE --run          the runs one after another here: finished ones skipped, interrupted ones resumed
     gapo-sweep FILE --rehearse     every distinct run of the file (seeds aside) rehearsed on the CPU, branches from
                                    their parent's rehearsed checkpoint
     gapo-sweep FILE --eval         gapo-eval --run on every run's checkpoints under the file's protocol (--print: list)
-    gapo-sweep FILE --budget       GPUs, memory plan and estimated GPU-hours per run and in total
+    gapo-sweep FILE --budget       GPUs, memory plan, estimated GPU-hours (training, evaluation) and checkpoint disk
     gapo-compare table FILE        then the table (markdown, CSV) and figures from the evaluations
 
 A manifest (experiments/*.yaml) names a config, its runs (overrides, or a branch from another run's checkpoint),
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -79,6 +82,28 @@ class CompareSpec(_Strict):
                           "branch"]] = Field(default_factory=list)
 
 
+class SlurmSpec(_Strict):
+    """What `--slurm` asks the scheduler for. gapo-sweep's --partition, --account, --qos, --constraint, --time,
+    --eval-time and --mem give the same over the manifest's."""
+
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    time: str | None = Field(None, description="A training task's time limit (SLURM's format, e.g. 2-00:00:00); at "
+                                               "it the task saves and requeues itself. Default: the partition's.")
+    eval_time: str | None = Field(None, description="An evaluation task's time limit. Default: the partition's.")
+    mem: str | None = Field(None, description="Memory per node (SLURM's format, e.g. 500G). Default: the "
+                                              "cluster's.")
+    gpus_per_node: int | None = Field(None, ge=0, description="Default: nproc, one GPU per rank; 0 for a CPU run "
+                                                              "(no GPU asked for).")
+    cpus_per_task: int | None = Field(None, ge=1, description="CPUs per node for its ranks, their engines and the "
+                                                              "reward workers. Default: 4 per rank.")
+    signal_lead_s: int = Field(300, ge=1, description="SIGUSR1 this many seconds before the time limit "
+                                                      "(--signal=USR1@N); must exceed every run's "
+                                                      "trainer.preempt_deadline_s by the time a save takes.")
+
+
 class Manifest(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
     title: str
@@ -93,6 +118,7 @@ class Manifest(_Strict):
                                           "Tables 1 and 2, one evaluation (no seeds).")
     eval: EvalSpec
     compare: CompareSpec = Field(default_factory=CompareSpec)
+    slurm: SlurmSpec = Field(default_factory=SlurmSpec)
 
     @model_validator(mode="after")
     def _runs(self) -> Manifest:
@@ -200,6 +226,10 @@ def check(m: Manifest, js: list[Job]) -> None:
         final = cfg.trainer.total_steps
         if max(m.eval.steps) > final:
             raise ConfigError(f"eval.steps: {max(m.eval.steps)} is past run {j.run.name}'s trainer.total_steps={final}")
+        if cfg.trainer.preempt_deadline_s >= m.slurm.signal_lead_s:
+            raise ConfigError(f"slurm.signal_lead_s={m.slurm.signal_lead_s} must exceed run {j.run.name}'s "
+                              f"trainer.preempt_deadline_s={cfg.trainer.preempt_deadline_s:g} by the time a save "
+                              "takes: the signal before the time limit would come too late to save")
         if cfg.trainer.output_dir in seen:
             raise ConfigError(f"runs {seen[cfg.trainer.output_dir].run.name} and {j.run.name} share "
                               f"{cfg.trainer.output_dir}")
@@ -305,84 +335,206 @@ def evaluate_all(m: Manifest, js: list[Job], show: bool) -> int:
     return 0
 
 
-def slurm(m: Manifest, js: list[Job], out_dir: Path) -> list[Path]:
-    """One job-array script per stage (the runs, then the branches, which wait for their parent's task of the same
-    index: --dependency=aftercorr) and submit.sh that submits them in order. Each task runs its command with
-    torchrun on its nodes; a requeued task (preemption, --requeue) starts the same command again, which resumes
-    from the task's latest checkpoint."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stages = [[j for j in js if j.parent is None], [j for j in js if j.parent is not None]]
-    written = []
-    for k, stage in enumerate(s for s in stages if s):
-        script = out_dir / f"{m.name}.{'runs' if k == 0 else 'branches'}.sbatch"
-        # Each task's gapo-train arguments (torchrun sets the ranks: no --nproc), and a branch's parent checkpoint.
-        cmds = "\n".join(f"  {shlex.quote(shlex.join(['--config', j.config, *j.args]))}" for j in stage)
-        outs = "\n".join(f"  {shlex.quote(str(j.out))}" for j in stage)
-        froms = "\n".join(f"  {shlex.quote(str(j.resume or ''))}" for j in stage)
-        kind = "runs" if k == 0 else "branches"
-        script.write_text(f"""#!/bin/bash
-# {m.title} ({m.produces}): {kind}, one array task per run x seed.
-# Submit with submit.sh (next to this file). Five minutes before a time limit or at a preemption SLURM sends
-# SIGUSR1 to every process: each rank finishes its step (or abandons it), saves, and the task exits 75; the task
-# then requeues itself, and SLURM requeues it on a node failure (--requeue). A requeued task runs the same command,
-# which goes on from its newest checkpoint that verifies (--resume auto).
-#SBATCH --job-name={m.name}-{kind}
-#SBATCH --array=0-{len(stage) - 1}
-#SBATCH --nodes={m.nodes}
-#SBATCH --ntasks-per-node=1
-#SBATCH --gpus-per-node={m.nproc}
-#SBATCH --cpus-per-task=32
-#SBATCH --requeue
-#SBATCH --signal=USR1@300
-#SBATCH --output={out_dir}/%x-%A_%a.out
+LOGS = "logs"  # in the slurm folder: every job's output, <job name>-<array job id>_<task>.out, appended to on requeue
+
+
+def slurm_spec(m: Manifest, **given: str | None) -> SlurmSpec:
+    """The manifest's `slurm:` block with what gapo-sweep's command line gives (--partition, --time, ...) over it."""
+    return m.slurm.model_copy(update={k: v for k, v in given.items() if v is not None})
+
+
+def _directives(spec: SlurmSpec, m: Manifest, *, name: str, tasks: int, nodes: int, time: str | None,
+                signal: str, workdir: Path, logs: Path) -> str:
+    """The #SBATCH lines every script shares. --chdir and an absolute --output make the script independent of the
+    folder it is submitted from; --open-mode=append keeps the earlier attempts' lines in a requeued task's log."""
+    gpus = m.nproc if spec.gpus_per_node is None else spec.gpus_per_node
+    cpus = spec.cpus_per_task or 4 * m.nproc
+    opts = [f"--job-name={name}", f"--array=0-{tasks - 1}", f"--nodes={nodes}", "--ntasks-per-node=1",
+            *([f"--gpus-per-node={gpus}"] if gpus else []), f"--cpus-per-task={cpus}",
+            *(f"--{flag}={value}" for flag, value in [("time", time), ("partition", spec.partition),
+                                                      ("account", spec.account), ("qos", spec.qos),
+                                                      ("constraint", spec.constraint), ("mem", spec.mem)] if value),
+            "--requeue", f"--signal={signal}", f"--chdir={workdir}", f"--output={logs}/%x-%A_%a.out",
+            "--open-mode=append"]
+    return "\n".join(f"#SBATCH {o}" for o in opts)
+
+
+def _bash_array(name: str, items: list[str]) -> str:
+    return f"{name}=(\n" + "\n".join(f"  {shlex.quote(x)}" for x in items) + "\n)"
+
+
+def _train_script(m: Manifest, stage: list[Job], path: Path, spec: SlurmSpec, workdir: Path, kind: str) -> Path:
+    """A job-array script, one task per run x seed of `stage`."""
+    python = shlex.quote(sys.executable)
+    path.write_text(f"""#!/bin/bash
+# {m.title} ({m.produces}): {kind}, one array task per run x seed. Submitted by submit.sh (next to this file);
+# see the README, "Running on a cluster". Signals: at a preemption SLURM sends SIGTERM (SIGKILL after the
+# partition's GraceTime); --signal=USR1@N sends SIGUSR1 N seconds before the time limit. Either way each rank
+# finishes (or abandons) its step, saves and exits 75; the task then requeues itself and starts again from its
+# newest checkpoint (--resume auto). --requeue brings it back after a node failure too.
+{_directives(spec, m, name=f"{m.name}-{kind}", tasks=len(stage), nodes=m.nodes, time=spec.time,
+             signal=f"USR1@{spec.signal_lead_s}", workdir=workdir, logs=path.parent / LOGS)}
 set -euo pipefail
-ARGS=(
-{cmds}
-)
-OUTS=(
-{outs}
-)
-FROM=(
-{froms}
-)
+PY=${{GAPO_PYTHON:-{python}}}
+# Each task's gapo-train arguments (torchrun sets the ranks: no --nproc), its output and a branch's parent checkpoint.
+{_bash_array("ARGS", [shlex.join(["--config", j.config, *j.args]) for j in stage])}
+{_bash_array("OUTS", [str(j.out) for j in stage])}
+{_bash_array("FROM", [str(j.resume or "") for j in stage])}
 i=$SLURM_ARRAY_TASK_ID
 OUT=${{OUTS[$i]}}
-RESUME=(--resume auto)  # its own newest checkpoint, or a fresh start
-if [ ! -f "$OUT/checkpoints/latest" ] && [ -n "${{FROM[$i]}}" ]; then RESUME=(--resume "${{FROM[$i]}}"); fi
+echo "gapo-sweep: task $i: $OUT, start $((${{SLURM_RESTART_COUNT:-0}} + 1)) on $(hostname) at $(date -Is)"
+RESUME=(--resume auto)  # its own newest checkpoint that verifies, or a fresh start
+if [ -n "${{FROM[$i]}}" ] && [ ! -f "$OUT/checkpoints/latest" ]; then
+  # A branch with no checkpoint of its own starts from its parent's; one stopped before its first save (a
+  # requeue) starts over, as --resume auto does for a run that is no branch.
+  if [ -e "$OUT/metrics.jsonl" ] || [ -e "$OUT/checkpoints" ]; then
+    echo "gapo-sweep: $OUT holds no checkpoint of its own (stopped before its first save): starting over"
+    rm -rf "$OUT/checkpoints" "$OUT/metrics.jsonl" "$OUT/rollouts.jsonl"
+  fi
+  RESUME=(--resume "${{FROM[$i]}}")
+fi
 eval "set -- ${{ARGS[$i]}}"
 HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+# torchrun's rendezvous on a port free on this node (the batch script runs on the job's first node, HEAD), so
+# that two jobs sharing a node never meet.
+PORT=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')
+# The signals are the ranks' (gapo.launch hands them on); this shell only waits for the save.
+trap 'echo "gapo-sweep: SIGTERM at $(date -Is): the ranks save"' TERM
+trap 'echo "gapo-sweep: SIGUSR1 at $(date -Is): the ranks save"' USR1
 code=0
-# gapo.launch is torchrun that leaves SIGTERM / SIGUSR1 to the ranks (torchrun alone would cut their save short).
-srun "${{GAPO_PYTHON:-python}}" -m gapo.launch --nnodes "$SLURM_NNODES" --nproc_per_node {m.nproc} \\
-  --rdzv_backend c10d --rdzv_endpoint "$HEAD:29500" -m gapo.cli "$@" "${{RESUME[@]}}" || code=$?
-if [ "$code" -eq 75 ]; then  # preempted or at the time limit, its last step saved: again, later
-  scontrol requeue "${{SLURM_ARRAY_JOB_ID}}_${{SLURM_ARRAY_TASK_ID}}"
+# srun does not inherit --cpus-per-task from sbatch (SLURM >= 22.05): give it, or every rank shares one CPU.
+srun --cpus-per-task="$SLURM_CPUS_PER_TASK" "$PY" -m gapo.launch --nnodes "$SLURM_NNODES" \\
+  --nproc_per_node {m.nproc} --rdzv_backend c10d --rdzv_endpoint "$HEAD:$PORT" -m gapo.cli "$@" "${{RESUME[@]}}" \\
+  || code=$?
+if [ "$code" -eq 75 ]; then  # saved after a signal: again, later, from that checkpoint
+  echo "gapo-sweep: saved after a signal (exit 75) at $(date -Is): requeued"
+  scontrol requeue "$SLURM_JOB_ID"
 fi
+echo "gapo-sweep: exit $code at $(date -Is)"
 exit "$code"
 """)
-        written.append(script)
+    return path
+
+
+def _eval_script(m: Manifest, cmds: list[list[str]], names: list[str], path: Path, spec: SlurmSpec,
+                 workdir: Path) -> Path:
+    """A job-array script, one task per gapo-eval command (a run's checkpoints, or the base model)."""
+    path.write_text(f"""#!/bin/bash
+# {m.title} ({m.produces}): the evaluation, one array task per run (its kept checkpoints under the manifest's
+# protocol) and the base model when the manifest asks. gapo-eval skips a checkpoint whose results.json exists
+# (written last, by rename), so a task requeued at a preemption or near its time limit (SIGUSR1 to this shell,
+# --signal=B:USR1@{spec.signal_lead_s}) goes on with the checkpoints left.
+{_directives(spec, m, name=f"{m.name}-eval", tasks=len(cmds), nodes=1, time=spec.eval_time,
+             signal=f"B:USR1@{spec.signal_lead_s}", workdir=workdir, logs=path.parent / LOGS)}
+set -euo pipefail
+{_bash_array("CMDS", [shlex.join(_local(c)) for c in cmds])}
+{_bash_array("NAMES", names)}
+i=$SLURM_ARRAY_TASK_ID
+echo "gapo-sweep: evaluation task $i: ${{NAMES[$i]}}, start $((${{SLURM_RESTART_COUNT:-0}} + 1))" \
+  "on $(hostname) at $(date -Is)"
+eval "set -- ${{CMDS[$i]}}"
+trap 'echo "gapo-sweep: SIGUSR1 at $(date -Is), the time limit is near: requeued"
+      scontrol requeue "$SLURM_JOB_ID"' USR1
+code=0
+srun --cpus-per-task="$SLURM_CPUS_PER_TASK" "$@" &
+wait $! || code=$?
+echo "gapo-sweep: exit $code at $(date -Is)"
+exit "$code"
+""")
+    return path
+
+
+def _eval_tasks(m: Manifest, js: list[Job]) -> tuple[list[list[str]], list[str], list[Job | None]]:
+    """The evaluation array's commands, a name for each, and the training job each waits for (None: the base)."""
+    cmds = eval_commands(m, js)
+    evaluated: list[Job | None] = [j for j in js if j.own_steps(m.eval.steps)]
+    if m.base:
+        evaluated.append(None)
+    names = [f"{j.run.name} seed {j.seed}" if j else "base model" for j in evaluated]
+    return cmds, names, evaluated
+
+
+def slurm(m: Manifest, js: list[Job], out_dir: Path, spec: SlurmSpec | None = None, *,
+          workdir: Path | None = None) -> list[Path]:
+    """The training job arrays (the runs, then the branches), the evaluation array, and submit.sh, which submits
+    all of them from any folder: each branch task after its own parent's task, each run's evaluation after its
+    training (afterok: <array job>_<task>). Paths in the commands are relative to `workdir` (default: here), which
+    every job starts in (--chdir)."""
+    spec = spec or m.slurm
+    workdir = (workdir or Path.cwd()).resolve()
+    out_dir = (workdir / out_dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    parents = [j for j in js if j.parent is None]
+    branches = [j for j in js if j.parent is not None]
+    runs = _train_script(m, parents, out_dir / f"{m.name}.runs.sbatch", spec, workdir, "runs")
+    written = [runs]
+    if branches:
+        written.append(_train_script(m, branches, out_dir / f"{m.name}.branches.sbatch", spec, workdir, "branches"))
+    cmds, names, waits = _eval_tasks(m, js)
+    ev = _eval_script(m, cmds, names, out_dir / f"{m.name}.eval.sbatch", spec, workdir)
+    written.append(ev)
+
+    task = {id(j): f"${{RUNS}}_{i}" for i, j in enumerate(parents)}  # the training task of each job
+    lines = _submit_head(m, out_dir, "the runs, each branch after its parent's task, each evaluation after its run")
+    lines += [f"RUNS=$(submit {shlex.quote(str(runs))})"]
+    lines += [f'echo "gapo-sweep: {j.run.name} seed {j.seed}: job ${{RUNS}}_{i}"' for i, j in enumerate(parents)]
+    for i, j in enumerate(branches):
+        parent = task[id(j.parent)]
+        lines += [f"B{i}=$(submit --array={i} --job-name={m.name}-{j.run.name}-seed{j.seed} "
+                  f"--dependency=afterok:{parent} {shlex.quote(str(written[1]))})",
+                  f'echo "gapo-sweep: {j.run.name} seed {j.seed}: job ${{B{i}}}_{i}, after {parent}"']
+        task[id(j)] = f"${{B{i}}}_{i}"
+    for k, (name, j) in enumerate(zip(names, waits, strict=True)):
+        after = f" --dependency=afterok:{task[id(j)]}" if j is not None else ""
+        lines += [f"E{k}=$(submit --array={k}{after} {shlex.quote(str(ev))})",
+                  f'echo "gapo-sweep: evaluation of {name}: job ${{E{k}}}_{k}"']
+    lines += [f'echo "gapo-sweep: logs in {out_dir / LOGS}/"']
     submit = out_dir / "submit.sh"
-    lines = ["#!/bin/bash", f"# Submits {m.name}: the runs, then the branches after their parents.",
-             "set -euo pipefail", 'cd "$(dirname "$0")"', f"RUNS=$(sbatch --parsable {written[0].name})",
-             'echo "runs: $RUNS"']
-    if len(written) > 1:
-        lines += [f"BRANCHES=$(sbatch --parsable --dependency=aftercorr:$RUNS {written[1].name})",
-                  'echo "branches: $BRANCHES (each after its parent task)"']
     submit.write_text("\n".join(lines) + "\n")
     return [*written, submit]
 
 
+def slurm_eval(m: Manifest, js: list[Job], out_dir: Path, spec: SlurmSpec | None = None, *,
+               workdir: Path | None = None) -> list[Path]:
+    """The evaluation array alone and submit_eval.sh (no dependencies: the runs are trained): for `--eval
+    --slurm`, e.g. after adding steps to eval.steps. Checkpoints evaluated already are skipped."""
+    spec = spec or m.slurm
+    workdir = (workdir or Path.cwd()).resolve()
+    out_dir = (workdir / out_dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cmds, names, _ = _eval_tasks(m, js)
+    ev = _eval_script(m, cmds, names, out_dir / f"{m.name}.eval.sbatch", spec, workdir)
+    lines = _submit_head(m, out_dir, "the evaluation array (checkpoints evaluated already are skipped)")
+    lines += [f"EVAL=$(submit {shlex.quote(str(ev))})"]
+    lines += [f'echo "gapo-sweep: evaluation of {name}: job ${{EVAL}}_{k}"' for k, name in enumerate(names)]
+    lines += [f'echo "gapo-sweep: logs in {out_dir / LOGS}/"']
+    submit = out_dir / "submit_eval.sh"
+    submit.write_text("\n".join(lines) + "\n")
+    return [ev, submit]
+
+
+def _submit_head(m: Manifest, out_dir: Path, what: str) -> list[str]:
+    return ["#!/bin/bash", f"# Submits {m.name}: {what}. Runs from any folder (the paths are absolute).",
+            "set -euo pipefail", f"mkdir -p {shlex.quote(str(out_dir / LOGS))}  # SLURM opens each log there",
+            "submit() { local out; out=$(sbatch --parsable \"$@\"); echo \"${out%%;*}\"; }  # the job id"]
+
+
 def budget(m: Manifest, js: list[Job]) -> str:
-    """GPUs, the memory plan's verdict and an estimate of GPU-hours per run, from the config alone.
+    """GPUs, the memory plan's verdict, estimated GPU-hours of training and of evaluation, and the disk the kept
+    checkpoints take, per run and in total, from the configs alone.
 
     Hours are FLOP estimates, not measurements (no GPU has run gapo yet): per step, 2 P T for generation at
     GEN_MFU, 2 P T (old log-probs) + 6 P T epochs (updates) for training at TRAIN_MFU, with T the step's tokens
-    at mean response length half of max_new_tokens, P the parameters, on H100-class bf16 (PEAK_FLOPS)."""
+    at mean response length half of max_new_tokens, P the parameters, on H100-class bf16 (PEAK_FLOPS). An
+    evaluation is generation only: every problem of the protocol's benchmarks (BENCHMARK_SIZES) x n samples, per
+    evaluated checkpoint. Disk: a checkpoint holds the exported weights and DeepSpeed's state (the fp32 weights
+    and Adam's two moments, and the bf16 weights in bf16 runs): CHECKPOINT_BYTES_PER_PARAM bytes per parameter."""
     from gapo.memory import memory_plan, param_count
     from gapo.models import model_facts
 
     lines = [f"{m.title} ({m.produces}): {len(js)} runs of {m.nproc} GPU(s) x {m.nodes} node(s)", ""]
-    total = 0.0
+    train_total = eval_total = disk_total = disk_weights_total = 0.0
+    samples, new_tokens, unknown = _eval_samples(m)
     for j in js:
         cfg = load_config(j.config, j.args)
         facts = model_facts(cfg.model.path)
@@ -399,12 +551,77 @@ def budget(m: Manifest, js: list[Job]) -> str:
         if j.parent is not None:
             seconds *= (t.total_steps - j.run.branch.step) / t.total_steps
         hours = seconds / 3600 * gpus
-        total += hours
+        evaluated = len(j.own_steps(m.eval.steps))
+        eval_hours = evaluated * _eval_gpu_hours(p, samples, cfg.data.max_prompt_tokens, new_tokens)
+        kept, whole = _kept_checkpoints(cfg, j)
+        weight_bytes = p * (2 if cfg.model.dtype == "bfloat16" else 4)
+        disk = kept * CHECKPOINT_BYTES_PER_PARAM * p
+        disk_weights = whole * CHECKPOINT_BYTES_PER_PARAM * p + (kept - whole) * weight_bytes
+        train_total, eval_total = train_total + hours, eval_total + eval_hours
+        disk_total, disk_weights_total = disk_total + disk, disk_weights_total + disk_weights
         lines.append(f"  {j.run.name} seed {j.seed}: {gpus} GPUs, memory plan {plan.total / 2**30:.0f} of 80 GB "
-                     f"({'fits' if plan.fits(80) else 'does NOT fit'}), ~{hours:,.0f} GPU-hours")
-    lines += ["", f"  total ~{total:,.0f} GPU-hours (a FLOP estimate at {GEN_MFU:.0%} MFU for generation, "
-              f"{TRAIN_MFU:.0%} for training, H100 bf16; see gapo.study.sweep.budget)"]
+                     f"({'fits' if plan.fits(80) else 'does NOT fit'}), ~{hours:,.0f} GPU-hours training, "
+                     f"~{eval_hours:,.0f} evaluating {evaluated} checkpoint(s); {kept} kept checkpoints "
+                     f"{disk / 1e9:,.0f} GB")
+    if m.base and js:
+        cfg = load_config(m.config)
+        facts = model_facts(cfg.model.path)
+        if facts:
+            base_hours = _eval_gpu_hours(param_count(facts), samples, cfg.data.max_prompt_tokens, new_tokens)
+            eval_total += base_hours
+            lines.append(f"  base model: ~{base_hours:,.0f} GPU-hours evaluating it once")
+    lines += ["", f"  training   ~{train_total:,.0f} GPU-hours",
+              f"  evaluation ~{eval_total:,.0f} GPU-hours ({samples:,} samples per checkpoint"
+              + (f"; {', '.join(unknown)} of unknown size, not counted" if unknown else "") + ")",
+              f"  total      ~{train_total + eval_total:,.0f} GPU-hours (FLOP estimates at {GEN_MFU:.0%} MFU for "
+              f"generation, {TRAIN_MFU:.0%} for training, H100 bf16; see gapo.study.sweep.budget)",
+              f"  disk       {disk_total / 1e12:,.2f} TB for the kept checkpoints with their optimizer state; "
+              f"{disk_weights_total / 1e12:,.2f} TB if those kept only for evaluation held only their weights "
+              "(the newest trainer.keep_last whole; not implemented yet: gapo keeps every checkpoint whole)"]
     return "\n".join(lines)
+
+
+# Problems per benchmark (the evaluation budget): the public sets' sizes. A benchmark not listed is counted as 0.
+BENCHMARK_SIZES = {"aime24": 30, "aime25": 30, "amc": 83, "math500": 500, "minerva": 272, "olympiad_bench": 675,
+                   "ifeval": 541, "humaneval_plus": 164, "arithmetic": 200}
+CHECKPOINT_BYTES_PER_PARAM = 16  # exported weights + DeepSpeed's fp32 weights, Adam m and v (+ bf16 weights): ~16 B
+
+
+def _eval_samples(m: Manifest) -> tuple[int, int, list[str]]:
+    """For one evaluated checkpoint: the samples (problems x n), the protocol's max_new_tokens, and the
+    benchmarks whose size is unknown."""
+    p = m.eval.protocol
+    if isinstance(p, Protocol):
+        benchmarks, n, limit, new = p.benchmarks, p.n, p.limit, p.max_new_tokens
+    else:
+        proto = load_config(p).eval.protocol
+        benchmarks, n, limit, new = proto.benchmarks, proto.n, None, proto.max_new_tokens
+    total, unknown = 0, []
+    for spec in benchmarks:
+        name = re.split(r"[@=]", spec, maxsplit=1)[0]
+        if name not in BENCHMARK_SIZES:
+            unknown.append(name)
+            continue
+        size = BENCHMARK_SIZES[name]
+        total += (min(size, limit) if limit else size) * n
+    return total, new, unknown
+
+
+def _eval_gpu_hours(params: int, samples: int, max_prompt_tokens: int, max_new_tokens: int) -> float:
+    """One checkpoint's evaluation: `samples` responses, prompts and responses at half their budgets."""
+    tokens = samples * (max_prompt_tokens / 2 + max_new_tokens / 2)
+    return 2 * params * tokens / (PEAK_FLOPS * GEN_MFU) / 3600
+
+
+def _kept_checkpoints(cfg: Config, j: Job) -> tuple[int, int]:
+    """(checkpoints left on disk at the end of the run, of which the newest trainer.keep_last)."""
+    t = cfg.trainer
+    first = j.run.branch.step + 1 if j.parent is not None else 1
+    saved = sorted({s for s in range(first, t.total_steps + 1) if t.save_every and s % t.save_every == 0}
+                   | {t.total_steps})
+    newest = set(saved[-t.keep_last:])
+    kept = {s for s in saved if s in t.keep_steps or (t.keep_every and s % t.keep_every == 0)} | newest
+    return len(kept), len(newest)
 
 
 PEAK_FLOPS = 989e12  # H100 SXM dense bf16
@@ -421,28 +638,41 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="gapo-sweep", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n")[1])
     p.add_argument("manifest", help="experiments/NAME.yaml, or NAME")
-    what = p.add_mutually_exclusive_group(required=True)
+    what = p.add_mutually_exclusive_group()
     what.add_argument("--print", action="store_true", dest="show", help="print one gapo-train command per run x seed")
-    what.add_argument("--slurm", nargs="?", const="", metavar="DIR",
-                      help="write SLURM array scripts and submit.sh (default DIR: <output_root>/<manifest>/slurm)")
     what.add_argument("--run", action="store_true", help="run them here, one after another")
     what.add_argument("--rehearse", action="store_true", help="rehearse every distinct run on the CPU")
-    what.add_argument("--eval", action="store_true", help="evaluate every run's checkpoints (with --list: print)")
-    what.add_argument("--budget", action="store_true", help="GPUs, memory plan and estimated GPU-hours")
+    what.add_argument("--eval", action="store_true", help="evaluate every run's checkpoints (with --list: print; "
+                                                          "with --slurm: an evaluation job array)")
+    what.add_argument("--budget", action="store_true", help="GPUs, memory plan, estimated GPU-hours and disk")
+    p.add_argument("--slurm", nargs="?", const="", metavar="DIR",
+                   help="write SLURM job arrays and submit.sh (with --eval: the evaluation's and submit_eval.sh); "
+                        "default DIR: <output_root>/<manifest>/slurm")
     p.add_argument("--list", action="store_true", help="with --eval: print the gapo-eval commands instead")
     p.add_argument("--output-root", help="instead of the manifest's output_root (runs)")
     p.add_argument("--nproc", type=int, help="with --run: ranks per run here (default: the manifest's)")
+    sched = p.add_argument_group("with --slurm: over the manifest's slurm: block")
+    for flag in ("partition", "account", "qos", "constraint", "time", "eval-time", "mem"):
+        sched.add_argument(f"--{flag}", metavar="VALUE")
     args = p.parse_args(argv)
+    if args.slurm is not None and (args.show or args.run or args.rehearse or args.budget):
+        p.error("--slurm goes alone or with --eval")
+    if args.slurm is None and not (args.show or args.run or args.rehearse or args.eval or args.budget):
+        p.error("one of --print, --slurm, --run, --rehearse, --eval, --budget is required")
     try:
         m = load_manifest(args.manifest)
         js = jobs(m, args.output_root)
         check(m, js)
-        if args.show:
-            print_commands(m, js)
-        elif args.slurm is not None:
+        if args.slurm is not None:
             out = Path(args.slurm) if args.slurm else Path(args.output_root or m.output_root) / m.name / "slurm"
-            for f in slurm(m, js, out):
+            spec = slurm_spec(m, partition=args.partition, account=args.account, qos=args.qos,
+                              constraint=args.constraint, time=args.time, eval_time=args.eval_time, mem=args.mem)
+            for f in (slurm_eval if args.eval else slurm)(m, js, out, spec):
                 print(f"gapo-sweep: wrote {f}")
+            submit = f.relative_to(Path.cwd().resolve()) if f.is_relative_to(Path.cwd().resolve()) else f
+            print(f"gapo-sweep: submit with: bash {submit}")
+        elif args.show:
+            print_commands(m, js)
         elif args.run:
             return run_local(m, js, args.nproc or m.nproc)
         elif args.rehearse:
