@@ -53,7 +53,9 @@ def test_every_manifest_resolves_each_command(name, capsys):
         cfg = load_config(words[2], over + ([f"trainer.resume_from={resume}"] if resume else []))
         outs.append(cfg.trainer.output_dir)
         assert set(m.eval.steps) <= set(cfg.trainer.keep_steps)
-        assert cfg.trainer.output_dir.startswith(f"runs/{name}/")
+        # its own, or the run of the manifest it uses (runs.use: Table 3's runs in Table 8 and Figs. 6, 7)
+        owners = {name} | {r.use.split("/")[0] for r in m.runs if r.use}
+        assert any(cfg.trainer.output_dir.startswith(f"runs/{owner}/") for owner in owners), cfg.trainer.output_dir
     assert len(set(outs)) == len(outs)
 
 
@@ -80,6 +82,8 @@ def test_readme_and_manifest_commands_never_share_an_output_directory():
             dirs[d] = (config, overrides)
     for name in MANIFESTS:
         for j in jobs(load_manifest(name)):
+            if j.shared:  # the other manifest's run itself, met there
+                continue
             d = str(j.out)
             assert d not in dirs, (name, j.run.name, dirs.get(d))
             dirs[d] = (name, j.run.name)
@@ -191,7 +195,7 @@ def test_slurm_scripts_parse_and_branches_wait_for_their_parents(tmp_path):
                f"--dependency=afterok:${{RUNS}}_{seed} " in submit
         assert f"--array={3 + seed} --dependency=afterok:${{B{seed}}}_{seed} " in submit
     # A branch task starts from its parent's step-600 checkpoint, a requeued one from its own latest.
-    assert "runs/fig7_intervention/gspo_asym/seed1/checkpoints/step_000600" in branches
+    assert "runs/table3_qwen/gspo_asym/seed1/checkpoints/step_000600" in branches  # Table 3's run (runs.use)
     assert 'RESUME=(--resume auto)' in branches and "--signal=USR1@300" in runs
     assert 'scontrol requeue "$SLURM_JOB_ID"' in runs  # a preempted task (exit 75)
     assert "#SBATCH --signal=B:USR1@300" in ev and "--steps 600,700,800,900,1000" in ev
@@ -455,3 +459,51 @@ def test_gapo_train_help_names_the_signals_slurm_sends(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "SIGTERM, what SLURM sends at a preemption" in text and "--signal=USR1@300" in text
     assert "exit 75" in text and "GraceTime" in text
+
+
+def _settings(cfg) -> str:
+    """A run's resolved settings without what only says where it writes, what it keeps or how it is tracked."""
+    from gapo.config import dump_config
+
+    t = cfg.trainer.model_copy(update={"output_dir": None, "keep_steps": [], "keep_every": 0, "resume_from": None})
+    return dump_config(cfg.model_copy(update={"trainer": t, "tracking": type(cfg.tracking)()}))
+
+
+def test_every_distinct_run_of_the_paper_manifests_is_launched_once():
+    """Over every manifest's --print, two output directories never hold the same settings (a run paid for twice):
+    Table 8, Fig. 6 and Fig. 7 reuse Table 3's runs; and a shared run is the same command wherever it is printed."""
+    by_settings: dict[tuple, set[str]] = {}
+    commands: dict[str, set[str]] = {}
+    for name in MANIFESTS:
+        m = load_manifest(name)
+        for j in jobs(m):
+            cfg = j.resolved()
+            key = (_settings(cfg), str(j.resume.relative_to(j.resume.parents[3])) if j.resume else None)
+            by_settings.setdefault(key, set()).add(str(j.out))
+            commands.setdefault(str(j.out), set()).add(shlex.join(j.command(m.nproc)))
+    twice = [dirs for dirs in by_settings.values() if len(dirs) > 1]
+    assert not twice, twice
+    assert all(len(c) == 1 for c in commands.values()), [c for c in commands.values() if len(c) > 1]
+    shared = {j.out for j in jobs(load_manifest("table8_eps_hi_max")) if j.shared}
+    assert len(shared) == 9 and all("table3_qwen" in str(d) for d in shared)
+
+
+def test_a_shared_run_must_keep_what_its_user_needs_and_is_counted_by_its_owner(tmp_path):
+    from gapo.study.sweep import budget, check
+
+    m = load_manifest("table8_eps_hi_max")
+    js = jobs(m)
+    check(m, js)
+    text = budget(m, js)
+    assert "gspo_5e-3 seed 0: table3_qwen/gspo_asym's run, trained and kept by that sweep (counted there); ~0 " \
+           "GPU-hours evaluating 0 checkpoint(s) it does not" in text
+    assert "3 of them" not in text and "9 of them another manifest's (runs.use)" in text
+    bad = tmp_path / "m.yaml"
+    bad.write_text((EXPERIMENTS_DIR / "table8_eps_hi_max.yaml").read_text().replace("steps: [1000]", "steps: [950]"))
+    m = load_manifest(bad)
+    with pytest.raises(ConfigError, match=r"runs.gspo_3e-3.use: table3_qwen/gspo_sym keeps no checkpoint of step 950"):
+        check(m, jobs(m))
+    bad.write_text((EXPERIMENTS_DIR / "table8_eps_hi_max.yaml").read_text().replace(
+        'use: table3_qwen/gspo_sym}', 'use: table3_qwen/gspo_sym, overrides: [algorithm.eps_hi=1e-3]}'))
+    with pytest.raises(ConfigError, match="takes its settings from table3_qwen/gspo_sym"):
+        load_manifest(bad)

@@ -53,6 +53,16 @@ class RunSpec(_Strict):
     config: str | None = Field(None, description="Its config, if not the manifest's.")
     overrides: list[str] = Field(default_factory=list, description="key.path=value, as on gapo-train's command line.")
     branch: BranchFrom | None = Field(None, alias="from", description="Start from another run's checkpoint.")
+    use: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$",
+                            description="MANIFEST/RUN: that manifest's run itself (its directory, command and "
+                                        "checkpoints), trained once for both: Table 8 reuses Table 3's runs.")
+
+    @model_validator(mode="after")
+    def _use_alone(self) -> RunSpec:
+        if self.use and (self.config or self.overrides or self.branch):
+            raise ValueError(f"runs.{self.name}: `use` takes its settings from {self.use}; config, overrides and "
+                             "from do not go with it")
+        return self
 
 
 class Protocol(_Strict):
@@ -78,7 +88,8 @@ class CompareSpec(_Strict):
     metrics: list[int] = Field(default_factory=lambda: [1], description="pass@k columns, e.g. [1, 256].")
     against: dict[str, list[str]] = Field(default_factory=dict, description="Table 7: a run -> the runs it is "
                                                                             "compared with (Welch's t-test).")
-    figures: list[Literal["clip_vs_c", "is_adv_corr", "training", "eval_over_steps", "coverage", "vs_group_size",
+    figures: list[Literal["is_ratio_by_c", "clip_vs_c", "is_adv_corr", "training", "eval_over_steps", "coverage",
+                          "vs_group_size",
                           "branch"]] = Field(default_factory=list)
 
 
@@ -176,6 +187,7 @@ class Job:
     args: list[str]  # after `gapo-train --config CONFIG --nproc N`, without --resume
     resume: Path | None  # a branch's parent checkpoint
     parent: Job | None
+    shared: str | None = None  # MANIFEST/RUN whose run this is (RunSpec.use): its directory and command, not ours
 
     @property
     def label(self) -> str:
@@ -202,6 +214,10 @@ def jobs(m: Manifest, root: str | Path | None = None) -> list[Job]:
     base = Path(root or m.output_root) / m.name
     out: dict[tuple[str, int], Job] = {}
     for r in sorted(m.runs, key=lambda x: x.branch is not None):
+        if r.use:
+            for seed in m.seeds:
+                out[(r.name, seed)] = _shared_job(r, seed, root)
+            continue
         branch_points = sorted({b.branch.step for b in m.runs if b.branch and b.branch.run == r.name})
         keep = sorted(set(m.eval.steps) | set(branch_points))
         for seed in m.seeds:
@@ -213,6 +229,19 @@ def jobs(m: Manifest, root: str | Path | None = None) -> list[Job]:
             out[(r.name, seed)] = Job(r, seed, target, r.config or (parent.config if parent else m.config), args,
                                       resume, parent)
     return list(out.values())
+
+
+def _shared_job(r: RunSpec, seed: int, root: str | Path | None) -> Job:
+    """The job of another manifest's run (RunSpec.use), under this manifest's name and label for its table."""
+    owner_name, run_name = r.use.split("/")
+    owner = load_manifest(owner_name)
+    if run_name not in {x.name for x in owner.runs}:
+        raise ConfigError(f"runs.{r.name}.use: {owner_name} has no run {run_name!r} "
+                          f"({', '.join(x.name for x in owner.runs)})")
+    if seed not in owner.seeds:
+        raise ConfigError(f"runs.{r.name}.use: {owner_name} runs seeds {owner.seeds}, not {seed}")
+    theirs = next(j for j in jobs(owner, root) if j.run.name == run_name and j.seed == seed)
+    return Job(r, seed, theirs.out, theirs.config, theirs.args, theirs.resume, theirs.parent, shared=r.use)
 
 
 def check(m: Manifest, js: list[Job]) -> None:
@@ -230,6 +259,16 @@ def check(m: Manifest, js: list[Job]) -> None:
             raise ConfigError(f"slurm.signal_lead_s={m.slurm.signal_lead_s} must exceed run {j.run.name}'s "
                               f"trainer.preempt_deadline_s={cfg.trainer.preempt_deadline_s:g} by the time a save "
                               "takes: the signal before the time limit would come too late to save")
+        if j.shared:  # its owner's sweep keeps its checkpoints: the ones we evaluate or branch from must be among them
+            t = cfg.trainer
+            need = set(j.own_steps(m.eval.steps)) | {b.branch.step for b in m.runs
+                                                     if b.branch and b.branch.run == j.run.name}
+            kept = set(t.keep_steps) | {t.total_steps} | ({s for s in need if s % t.keep_every == 0}
+                                                          if t.keep_every else set())
+            if need - kept:
+                raise ConfigError(f"runs.{j.run.name}.use: {j.shared} keeps no checkpoint of step "
+                                  f"{', '.join(map(str, sorted(need - kept)))} (it keeps {sorted(kept)}); add the "
+                                  f"step to {j.shared.split('/')[0]}'s eval.steps")
         if cfg.trainer.output_dir in seen:
             raise ConfigError(f"runs {seen[cfg.trainer.output_dir].run.name} and {j.run.name} share "
                               f"{cfg.trainer.output_dir}")
@@ -532,7 +571,9 @@ def budget(m: Manifest, js: list[Job]) -> str:
     from gapo.memory import memory_plan, param_count
     from gapo.models import model_facts
 
-    lines = [f"{m.title} ({m.produces}): {len(js)} runs of {m.nproc} GPU(s) x {m.nodes} node(s)", ""]
+    shared = sum(1 for j in js if j.shared)
+    lines = [f"{m.title} ({m.produces}): {len(js)} runs of {m.nproc} GPU(s) x {m.nodes} node(s)"
+             + (f", {shared} of them another manifest's (runs.use)" if shared else ""), ""]
     train_total = eval_total = disk_total = disk_weights_total = 0.0
     samples, new_tokens, unknown = _eval_samples(m)
     for j in js:
@@ -552,6 +593,16 @@ def budget(m: Manifest, js: list[Job]) -> str:
             seconds *= (t.total_steps - j.run.branch.step) / t.total_steps
         hours = seconds / 3600 * gpus
         evaluated = len(j.own_steps(m.eval.steps))
+        if j.shared:  # trained (and kept) by its owner's sweep: count here only the evaluations the owner lacks
+            owner = load_manifest(j.shared.split("/")[0])
+            if owner.protocol_name == m.protocol_name:
+                evaluated = len(set(j.own_steps(m.eval.steps)) - set(owner.eval.steps))
+            eval_hours = evaluated * _eval_gpu_hours(param_count(facts), samples, cfg.data.max_prompt_tokens,
+                                                     new_tokens)
+            eval_total += eval_hours
+            lines.append(f"  {j.run.name} seed {j.seed}: {j.shared}'s run, trained and kept by that sweep (counted "
+                         f"there); ~{eval_hours:,.0f} GPU-hours evaluating {evaluated} checkpoint(s) it does not")
+            continue
         eval_hours = evaluated * _eval_gpu_hours(p, samples, cfg.data.max_prompt_tokens, new_tokens)
         kept, whole = _kept_checkpoints(cfg, j)
         weight_bytes = p * (2 if cfg.model.dtype == "bfloat16" else 4)
