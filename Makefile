@@ -50,25 +50,19 @@ demo: install
 	$(BIN)/gapo-train --config configs/demo_cpu.yaml trainer.output_dir=runs/demo_cpu
 	$(BIN)/gapo-plot runs/demo_cpu --out runs/demo_cpu/plots
 
-# GAPO against GSPO with a symmetric clip (the paper's Figs. 3-5), 3 seeds each, on the demo's task at clip
-# widths the 135M model reaches: a correct rollout's sequence IS ratio moves ~5 % within a step at lr 2e-5, past
-# the paper's 3e-3/5e-3 under both rules. Then gapo-compare (mean ± 95 % CI, Welch) and gapo-plot (rollout pages).
-# About 13 minutes per seed and rule on 2 cores (README); not part of `make test`.
-# Seeds per rule: `make demo-compare SEEDS="0 1 2 3 4"` (at least two: the intervals need a spread).
-SEEDS ?= 0 1 2
-CMP_SEEDS := $(SEEDS)
-CMP_RUN = $(BIN)/gapo-train --config configs/demo_cpu.yaml trainer.total_steps=8 rollout.prompts_per_step=4 \
-	trainer.ppo_mini_batch_size=8 eval.limit=100 eval.n=2 trainer.log_rollouts=true "algorithm.clip_widths.sequence=[0.01,0.08]"
+# GAPO's mechanism on a laptop (README): experiments/demo_mechanism.yaml, three clip rules x five seeds on the demo's
+# task, through the chain a cluster user runs: the runs, their evaluation, the table and figures, and the seeds report
+# (per-c clip fractions with intervals, the pooled clip-count test, IS-advantage correlation). 15 CPU runs of 6-14
+# minutes on 2 cores (README); not part of any test tier. A second `make demo-compare` skips what is done.
+DEMO_RUNS = runs/demo_mechanism
 demo-compare: install
-	rm -rf runs/demo_compare
-	for s in $(CMP_SEEDS); do \
-	  $(CMP_RUN) algorithm.name=gapo trainer.seed=$$s trainer.output_dir=runs/demo_compare/gapo_s$$s || exit 1; \
-	  $(CMP_RUN) algorithm.name=gspo trainer.seed=$$s trainer.output_dir=runs/demo_compare/gspo_s$$s || exit 1; \
-	done
-	$(BIN)/gapo-compare seeds --out runs/demo_compare/report \
-	  gapo=$$(echo $(CMP_SEEDS) | sed 's|\([0-9]*\)|runs/demo_compare/gapo_s\1|g; s| |,|g') \
-	  gspo=$$(echo $(CMP_SEEDS) | sed 's|\([0-9]*\)|runs/demo_compare/gspo_s\1|g; s| |,|g')
-	$(BIN)/gapo-plot runs/demo_compare/gapo_s0 runs/demo_compare/gspo_s0 --out runs/demo_compare/plots
+	$(BIN)/gapo-sweep demo_mechanism --run
+	$(BIN)/gapo-sweep demo_mechanism --eval
+	$(BIN)/gapo-compare table demo_mechanism
+	$(BIN)/gapo-compare seeds --out $(DEMO_RUNS)/compare/seeds \
+	  "GAPO 0.01/0.08=$$(ls -d $(DEMO_RUNS)/gapo/seed* | paste -sd,)" \
+	  "GSPO 0.01=$$(ls -d $(DEMO_RUNS)/gspo_sym/seed* | paste -sd,)" \
+	  "GSPO 0.01/0.08=$$(ls -d $(DEMO_RUNS)/gspo_asym/seed* | paste -sd,)"
 
 # TRL in an environment of its own (not a gapo dependency), for bench/e2e_vs_trl.py: the same torch and
 # transformers as .venv, so that both sides run the same model code.
