@@ -110,3 +110,64 @@ def test_a_skipped_adapter_push_stops_the_run(torchrun, tmp_path, nproc):
         assert res["code"] == 3, f"rank {rank} ended with {res['code']}"
         needle = "rollouts of step 3 were sampled with weight version(s) [1], expected 2"
         assert needle in res["log"], res["log"][-3000:]
+
+
+LORA = ["model.lora.rank=8", "trainer.lr=1e-3"]
+
+
+def _size(folder) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tmp_path_factory):
+    """4-step LoRA runs (checkpoints at 2 and 4) on 1 and 2 ranks, and a full fine-tuning run to compare sizes."""
+    from test_checkpoint import run
+
+    d = tmp_path_factory.mktemp("lora")
+    run(d / "l1", *LORA)
+    run(d / "l2", *LORA, nproc=2)
+    run(d / "full", "trainer.lr=1e-3")
+    return d
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_lora_run_resumes_exactly_from_its_adapter_checkpoint(lora_runs, tmp_path, nproc):
+    from test_checkpoint import assert_same_steps, metrics, run
+
+    ref = lora_runs / f"l{nproc}"
+    run(tmp_path / "r", *LORA, nproc=nproc, resume=ref / "checkpoints" / "step_000002")
+    assert sorted(metrics(tmp_path / "r")) == [3, 4]
+    assert_same_steps(metrics(ref), metrics(tmp_path / "r"), [3, 4])
+
+
+@pytest.mark.e2e
+def test_a_lora_checkpoint_is_small_and_exports_merged_weights(lora_runs):
+    from transformers import AutoModelForCausalLM
+
+    lora, full = (lora_runs / name / "checkpoints" / "step_000004" for name in ("l1", "full"))
+    # DeepSpeed's state: adapters + their Adam moments vs every weight + its moments (tiny-qwen2, rank 8)
+    ratio = _size(lora / "ds") / _size(full / "ds")
+    assert ratio < 0.1, ratio
+    # hf/ is a plain model (gapo-eval loads it unchanged) with the adapters merged: the targeted weights moved,
+    # the others are the base model's, bit for bit
+    trained = dict(AutoModelForCausalLM.from_pretrained(lora / "hf").named_parameters())
+    initial = dict(AutoModelForCausalLM.from_pretrained(resolve_model("tiny-qwen2")).named_parameters())
+    assert trained.keys() == initial.keys()
+    moved = {n for n in trained if not torch.equal(trained[n], initial[n])}
+    assert moved and all(n.split(".")[-2] in load_config("configs/tiny_cpu.yaml", LORA).model.lora.target_modules
+                         and n.endswith(".weight") for n in moved), sorted(moved)
+
+
+@pytest.mark.e2e
+def test_a_lora_checkpoint_branches_into_another_algorithm(lora_runs, tmp_path):
+    """The step-600 intervention from an adapter checkpoint: GSPO 3e-3/3e-3 branched into GAPO with the same
+    bounds has the same loss, so the branch reproduces the parent exactly (adapters, moments, schedule, data)."""
+    from test_checkpoint import assert_same_steps, metrics, run
+
+    run(tmp_path / "b", *LORA, "algorithm.name=gapo", "algorithm.eps_lo=3e-3", "algorithm.eps_hi_max=3e-3",
+        resume=lora_runs / "l1" / "checkpoints" / "step_000002")
+    branch = metrics(tmp_path / "b")
+    assert branch[3]["branch/parent_step"] == 2
+    assert_same_steps(metrics(lora_runs / "l1"), branch, [3, 4])
