@@ -153,7 +153,9 @@ def test_a_lora_checkpoint_is_small_and_exports_merged_weights(lora_runs):
     base_params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(resolve_model("tiny-qwen2")).parameters())
     ratio = _size(lora / "ds") / _size(full / "ds")
     assert ratio < 0.2 and _size(lora / "ds") < 4 * base_params, (ratio, _size(lora / "ds"))
-    # hf/ is a plain model (gapo-eval loads it unchanged) with the adapters merged: the targeted weights moved,
+    # hf/ is the full model's size (a tied weight once) ...
+    assert _size(lora / "hf") == pytest.approx(_size(full / "hf"), rel=0.01)
+    # ... a plain model (gapo-eval loads it unchanged) with the adapters merged: the targeted weights moved,
     # the others are the base model's, bit for bit
     trained = dict(AutoModelForCausalLM.from_pretrained(lora / "hf").named_parameters())
     initial = dict(AutoModelForCausalLM.from_pretrained(resolve_model("tiny-qwen2")).named_parameters())
@@ -174,3 +176,12 @@ def test_a_lora_checkpoint_branches_into_another_algorithm(lora_runs, tmp_path):
     branch = metrics(tmp_path / "b")
     assert branch[3]["branch/parent_step"] == 2
     assert_same_steps(metrics(lora_runs / "l1"), branch, [3, 4])
+
+
+def test_a_tied_weight_is_exported_once():
+    model = lora_model()
+    a = actor_mod.Actor.__new__(actor_mod.Actor)
+    a.module = model
+    assert "lm_head.weight" in a.pushed_names() and "lm_head.weight" not in a.pushed_names(unique=True)
+    assert sorted(a.pushed_names(unique=True)) == sorted(n.replace(".base_layer.", ".") for n, _ in
+                                                         model.named_parameters() if ".lora_" not in n)

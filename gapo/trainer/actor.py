@@ -249,10 +249,13 @@ class Actor:
     def lr(self) -> float:
         return float(self.scheduler.get_last_lr()[0])
 
-    def pushed_names(self) -> list[str]:
-        """The names gathered_weights yields, in order (tied parameters under each of their names): the base
-        model's Hugging Face names, with or without LoRA; what a push's receipt is checked against."""
-        return [hf for _, hf, _, _ in self._push_plan() if hf is not None]
+    def pushed_names(self, unique: bool = False) -> list[str]:
+        """The names gathered_weights yields (tied parameters under each of their names): the base model's
+        Hugging Face names, with or without LoRA; what a push's receipt is checked against. `unique`: a tied
+        parameter under its first name only, as save_pretrained writes it."""
+        first: dict[int, str] = {}
+        names = [hf for _, hf, p, _ in self._push_plan() if hf is not None and first.setdefault(id(p), hf) == hf]
+        return names if unique else [hf for _, hf, _, _ in self._push_plan() if hf is not None]
 
     def _push_plan(self) -> list[tuple[str, str | None, torch.nn.Parameter, torch.nn.Module | None]]:
         """Every parameter as (its name, the HF name it is pushed under or None, the parameter, the LoRA layer

@@ -158,7 +158,8 @@ def _export_state_dict(actor, rank: int) -> dict[str, Tensor]:
     LoRA they are the merged weights the engine gets (Actor.gathered_weights), so gapo-eval and vLLM load hf/ as
     a plain model."""
     if actor.cfg.model.lora is not None:
-        merged = {name: t.detach().cpu().clone() for name, t in actor.gathered_weights()}
+        keep = set(actor.pushed_names(unique=True))  # a tied weight once, as without LoRA
+        merged = {name: t.detach().cpu().clone() for name, t in actor.gathered_weights() if name in keep}
         return merged if rank == 0 else {}
     # Collective under ZeRO-3 (full tensors on rank 0 only); keys lose the Policy wrapper's "lm." prefix.
     full = actor.engine._zero3_consolidated_16bit_state_dict() if actor.zero_stage == 3 \
