@@ -205,7 +205,8 @@ class LoraConfig(_Section):
 
     rank: int = Field(16, gt=0, description="r: the adapters' inner dimension.")
     alpha: float = Field(32.0, gt=0, description="The update is scaled by alpha / rank.")
-    dropout: float = Field(0.0, ge=0, lt=1, description="Must be 0: see _no_dropout.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Adapter dropout. Must be 0: the actor runs in train "
+                           "mode for the old-log-prob pass and the update, which dropout would make differ.")
     target_modules: list[str] = Field(
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         description="Names (last component) of the linear layers that get an adapter.")
@@ -614,6 +615,8 @@ def _set_path(tree: dict, path: list[str], value: Any) -> None:
     node = tree
     for i, part in enumerate(path[:-1]):
         child = node.setdefault(part, {})
+        if child is None:  # a section that is off (model.lora: null) is switched on by setting one of its keys
+            child = node[part] = {}
         if not isinstance(child, dict):
             raise ConfigError(f"override {'.'.join(path)}: {'.'.join(path[:i + 1])} is not a section")
         node = child

@@ -72,6 +72,16 @@ def test_without_lora_the_pushed_names_are_the_modules_own():
     assert sorted(got) == sorted(n for n, _ in model.named_parameters(remove_duplicate=False))
 
 
+def test_lora_is_off_by_default_and_one_key_switches_it_on_even_over_a_printed_null(tmp_path):
+    from gapo.config import dump_config
+
+    off = load_config("configs/tiny_cpu.yaml")
+    assert off.model.lora is None
+    (tmp_path / "c.yaml").write_text(dump_config(off))  # holds `lora: null`
+    on = load_config(tmp_path / "c.yaml", ["model.lora.rank=4"]).model.lora
+    assert (on.rank, on.alpha, on.dropout) == (4, 32.0, 0.0) and "down_proj" in on.target_modules
+
+
 def test_only_the_adapters_train_and_dropout_is_refused():
     model = lora_model()
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
