@@ -195,3 +195,20 @@ def test_a_tied_weight_is_exported_once():
     assert "lm_head.weight" in a.pushed_names() and "lm_head.weight" not in a.pushed_names(unique=True)
     assert sorted(a.pushed_names(unique=True)) == sorted(n.replace(".base_layer.", ".") for n, _ in
                                                          model.named_parameters() if ".lora_" not in n)
+
+
+def test_the_memory_plan_prices_lora_adapters_and_the_frozen_base():
+    from gapo.memory import lora_param_count, memory_plan, param_count
+    from gapo.models import KNOWN_MODELS
+
+    qwen = KNOWN_MODELS["Qwen/Qwen2.5-Math-1.5B"]
+    # by hand, per layer at rank 16: q, o 16 * (1536 + 1536); k, v 16 * (1536 + 256); gate, up, down 16 * (1536 + 8960)
+    per_layer = 2 * 16 * 3072 + 2 * 16 * 1792 + 3 * 16 * 10496
+    assert lora_param_count(qwen, 16, load_config("qwen_math_1gpu", ["model.lora.rank=16"]).model.lora.target_modules) \
+        == 28 * per_layer == 18_464_768
+    full = memory_plan(load_config("qwen_math_1gpu", ["trainer.offload.optimizer=none"]), qwen, world=1)
+    lora = memory_plan(load_config("qwen_math_1gpu", ["trainer.offload.optimizer=none", "model.lora.rank=16"]),
+                       qwen, world=1)
+    # bf16: the frozen base (2 bytes a weight) + the adapters' weights, fp32 gradients, master and moments (2+4+12)
+    assert lora.trainer_states == param_count(qwen) * 2 + 18_464_768 * 18
+    assert lora.trainer_states < full.trainer_states / 7
