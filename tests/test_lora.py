@@ -219,3 +219,13 @@ def test_the_memory_plan_prices_lora_adapters_and_the_frozen_base():
     # bf16: the frozen base (2 bytes a weight) + the adapters' weights, fp32 gradients, master and moments (2+4+12)
     assert lora.trainer_states == param_count(qwen) * 2 + 18_464_768 * 18
     assert lora.trainer_states < full.trainer_states / 7
+
+
+@pytest.mark.e2e
+def test_a_lora_checkpoint_on_another_number_of_ranks_is_refused_by_name(lora_runs, tmp_path):
+    from test_checkpoint import run
+
+    r = run(tmp_path / "r", *LORA, nproc=1, resume=lora_runs / "l2" / "checkpoints" / "step_000002", ok=False)
+    assert r.returncode != 0
+    assert "a LoRA checkpoint written by 2 ranks cannot be resumed on 1" in r.stdout + r.stderr, r.stderr[-3000:]
+    assert "--nproc 2" in r.stdout + r.stderr
