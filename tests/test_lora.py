@@ -82,6 +82,16 @@ def test_lora_is_off_by_default_and_one_key_switches_it_on_even_over_a_printed_n
     assert (on.rank, on.alpha, on.dropout) == (4, 32.0, 0.0) and "down_proj" in on.target_modules
 
 
+def test_an_adapter_on_a_tied_output_head_is_refused():
+    from transformers import AutoModelForCausalLM
+
+    lora = load_config("configs/tiny_cpu.yaml", ["model.lora.target_modules=[q_proj, lm_head]"]).model.lora
+    from gapo.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="adapts the output head, which this model ties"):
+        actor_mod.with_lora(AutoModelForCausalLM.from_pretrained(resolve_model("tiny-qwen2")), lora)
+
+
 def test_only_the_adapters_train_and_dropout_is_refused():
     model = lora_model()
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]

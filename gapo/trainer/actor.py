@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from gapo.errors import ConfigError
 from gapo.memory import REDUCE_BUCKET
 from gapo.trainer import logprobs
 from gapo.trainer.logprobs import MicroBatch, response_logprobs
@@ -326,8 +327,12 @@ def with_lora(model: torch.nn.Module, lora) -> torch.nn.Module:
     model = peft_model.base_model.model
     adapted = [n for n, m in model.named_modules() if hasattr(m, "lora_A")]
     if odd := [n for n in adapted if not isinstance(model.get_submodule(n), LoraLinear)]:
-        raise ValueError(f"model.lora.target_modules names layers that are not linear: {odd[:3]}; LoRA here adapts "
+        raise ConfigError(f"model.lora.target_modules names layers that are not linear: {odd[:3]}; LoRA here adapts "
                          "linear layers only")
+    if hasattr(model.get_output_embeddings(), "lora_A") and model.config.get_text_config().tie_word_embeddings:
+        # merged, the head would no longer equal the embedding it is tied to, and the engine keeps only one of them
+        raise ConfigError("model.lora.target_modules adapts the output head, which this model ties to its input "
+                         "embedding: leave it out")
     return model
 
 
