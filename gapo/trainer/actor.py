@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from gapo.errors import ConfigError
 from gapo.memory import REDUCE_BUCKET
 from gapo.trainer import logprobs
 from gapo.trainer.logprobs import MicroBatch, response_logprobs
@@ -177,7 +178,11 @@ class Actor:
         if cfg.model.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
-        optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay)
+        if cfg.model.lora is not None:
+            model = with_lora(model, cfg.model.lora)
+        # Only what trains is in the optimizer (with LoRA, the adapters; the base weights are frozen).
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(trainable, lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay)
         # DeepSpeed's ZeRO and bf16 optimizers skip a step whose gradient norm is not finite; at stage 0 it
         # would apply it. There the step is skipped here (before the scheduler wraps `step`), decided in
         # backward() from the gradient norm, which is the same on every rank.
@@ -198,7 +203,9 @@ class Actor:
         scheduler = _Schedule(optimizer, lr_factor)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=Policy(model, logit_chunks(cfg)), optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
-        self.module = model  # the Hugging Face model inside the engine (its parameter names, save_pretrained)
+        # The Hugging Face model inside the engine (its parameter names, save_pretrained); with LoRA its targeted
+        # linear layers are PEFT's (base_layer + lora_A/lora_B), see pushed_names.
+        self.module = model
         self._stage0_norm: float | None = None
         self.device = self.engine.device  # micro-batches go here (cuda:LOCAL_RANK on GPU, cpu on CPU)
         self.ref_engine = None
@@ -243,6 +250,31 @@ class Actor:
     def lr(self) -> float:
         return float(self.scheduler.get_last_lr()[0])
 
+    def pushed_names(self, unique: bool = False) -> list[str]:
+        """The names gathered_weights yields (tied parameters under each of their names): the base model's
+        Hugging Face names, with or without LoRA; what a push's receipt is checked against. `unique`: a tied
+        parameter under its first name only, as save_pretrained writes it."""
+        first: dict[int, str] = {}
+        names = [hf for _, hf, p, _ in self._push_plan() if hf is not None and first.setdefault(id(p), hf) == hf]
+        return names if unique else [hf for _, hf, _, _ in self._push_plan() if hf is not None]
+
+    def _push_plan(self) -> list[tuple[str, str | None, torch.nn.Parameter, torch.nn.Module | None]]:
+        """Every parameter as (its name, the HF name it is pushed under or None, the parameter, the LoRA layer
+        whose merged weight it is or None). Without LoRA, names are the module's own. With LoRA, a targeted layer's
+        `x.base_layer.weight` goes as `x.weight` merged with its adapter; `lora_A`/`lora_B` go under no name
+        (they are gathered with their layer and folded into it)."""
+        plan = []
+        layers = dict(self.module.named_modules(remove_duplicate=False))
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            if ".lora_" in name:
+                plan.append((name, None, p, None))
+            elif ".base_layer." in name:
+                prefix, _, leaf = name.partition(".base_layer.")
+                plan.append((name, f"{prefix}.{leaf}", p, layers[prefix] if leaf == "weight" else None))
+            else:
+                plan.append((name, name, p, None))
+        return plan
+
     def gathered_weights(self, bucket_numel: int = 50_000_000) -> Iterator[tuple[str, Tensor]]:
         """Full weights, a bucket at a time (a collective under ZeRO-3: every rank must iterate).
 
@@ -250,28 +282,64 @@ class Actor:
         counted by `ds_numel` (`numel()` is 0 for a partitioned parameter), so a large model is never gathered
         whole. Whole layers matter: vLLM fuses q/k/v and gate/up and only loads a fused layer once all its
         parts have arrived, which must happen while they are still gathered.
+
+        With LoRA the engine gets merged weights, base + scale * B @ A, under the base model's names (see
+        merged_weight and README "LoRA"): the same names, versions and probe verify the push as without it.
         """
         import deepspeed
 
-        groups: dict[str, list[tuple[str, torch.nn.Parameter]]] = {}
+        groups: dict[str, list[tuple[str | None, torch.nn.Parameter, torch.nn.Module | None]]] = {}
         owner: dict[int, str] = {}  # a tied parameter (lm_head = embed_tokens) goes with its first name
-        for name, p in self.module.named_parameters(remove_duplicate=False):
-            parts = name.split(".")
+        for own, hf, p, lora in self._push_plan():
+            # a LoRA layer's adapters group with its base weight: keyed by the layer's name as if it were plain
+            parts = (hf or own.partition(".lora_")[0] + ".weight").split(".")
             cut = next((i + 2 for i, x in enumerate(parts) if x == "layers" and i + 1 < len(parts)), len(parts) - 1)
             key = owner.setdefault(id(p), ".".join(parts[:cut]))
-            groups.setdefault(key, []).append((name, p))
-        buckets: list[list[tuple[str, torch.nn.Parameter]]] = [[]]
+            groups.setdefault(key, []).append((hf, p, lora))
+        buckets: list[list[tuple[str | None, torch.nn.Parameter, torch.nn.Module | None]]] = [[]]
         size = 0
         for members in groups.values():
-            n = sum(getattr(p, "ds_numel", p.numel()) for _, p in members)
+            n = sum(getattr(p, "ds_numel", p.numel()) for _, p, _ in members)
             if buckets[-1] and size + n > bucket_numel:
                 buckets.append([])
                 size = 0
             buckets[-1].extend(members)
             size += n
         for bucket in buckets:
-            unique = list({id(p): p for _, p in bucket}.values())
+            unique = list({id(p): p for _, p, _ in bucket}.values())
             with deepspeed.zero.GatheredParameters(unique, modifier_rank=None,
                                                    enabled=self.zero_stage == 3):
-                for name, p in bucket:
-                    yield name, p.data
+                for name, p, lora in bucket:
+                    if name is not None:
+                        yield name, p.data if lora is None else merged_weight(lora)
+
+
+def with_lora(model: torch.nn.Module, lora) -> torch.nn.Module:
+    """`model` with PEFT LoRA adapters on `lora.target_modules` (model.lora), everything else frozen. Returns the
+    Hugging Face model itself, its targeted linear layers replaced in place by PEFT's (the PeftModel wrapper is not
+    needed: the forward, names and export all go through the HF model). Only linear layers are accepted: the push
+    merges B @ A into a weight, which is what a LoRA linear layer adds."""
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import Linear as LoraLinear
+
+    peft_model = get_peft_model(model, LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                                  target_modules=list(lora.target_modules), bias="none"))
+    model = peft_model.base_model.model
+    adapted = [n for n, m in model.named_modules() if hasattr(m, "lora_A")]
+    if odd := [n for n in adapted if not isinstance(model.get_submodule(n), LoraLinear)]:
+        raise ConfigError(f"model.lora.target_modules names layers that are not linear: {odd[:3]}; LoRA here adapts "
+                         "linear layers only")
+    if hasattr(model.get_output_embeddings(), "lora_A") and model.config.get_text_config().tie_word_embeddings:
+        # merged, the head would no longer equal the embedding it is tied to, and the engine keeps only one of them
+        raise ConfigError("model.lora.target_modules adapts the output head, which this model ties to its input "
+                         "embedding: leave it out")
+    return model
+
+
+def merged_weight(layer: torch.nn.Module) -> Tensor:
+    """A PEFT LoRA linear layer's weight with its adapter folded in: W + scale * B @ A (PEFT's own merge, computed
+    in fp32 and cast to W's dtype). The layer's parameters must be gathered (ZeRO-3)."""
+    w = layer.base_layer.weight
+    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    delta = (b.float() @ a.float()) * layer.scaling["default"]
+    return (w.float() + delta).to(w.dtype)

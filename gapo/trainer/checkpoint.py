@@ -117,14 +117,13 @@ def save(actor, tokenizer, cfg: Config, state: TrainerState, run_dir: Path) -> P
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp))
         if requested("fill") == str(state.step) and rank == 0:
             _fill(root)  # the disk fills up after the room check: the real writers below meet a real ENOSPC
-        actor.engine.save_checkpoint(str(tmp / "ds"), tag="state", save_latest=False)
+        # With LoRA the frozen base weights are left out (they are model.path's): adapters and optimizer state only.
+        actor.engine.save_checkpoint(str(tmp / "ds"), tag="state", save_latest=False,
+                                     exclude_frozen_parameters=cfg.model.lora is not None)
         torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
     except WRITE_ERRORS as err:
         failure = f"rank {rank}: {err}"
-    # Collective under ZeRO-3 (full tensors on rank 0 only); keys lose the Policy wrapper's "lm." prefix.
-    full = actor.engine._zero3_consolidated_16bit_state_dict() if actor.zero_stage == 3 \
-        else actor.engine.module.state_dict()
-    state_dict = {k.removeprefix("lm."): v for k, v in (full or {}).items()}
+    state_dict = _export_state_dict(actor, rank)
     if rank == 0 and failure is None:
         try:
             actor.module.save_pretrained(tmp / "hf", state_dict=state_dict, safe_serialization=True)
@@ -154,6 +153,20 @@ def save(actor, tokenizer, cfg: Config, state: TrainerState, run_dir: Path) -> P
     return final
 
 
+def _export_state_dict(actor, rank: int) -> dict[str, Tensor]:
+    """The policy's full weights under the Hugging Face names, for hf/ (rank 0's; collective under ZeRO-3). With
+    LoRA they are the merged weights the engine gets (Actor.gathered_weights), so gapo-eval and vLLM load hf/ as
+    a plain model."""
+    if actor.cfg.model.lora is not None:
+        keep = set(actor.pushed_names(unique=True))  # a tied weight once, as without LoRA
+        merged = {name: t.detach().cpu().clone() for name, t in actor.gathered_weights() if name in keep}
+        return merged if rank == 0 else {}
+    # Collective under ZeRO-3 (full tensors on rank 0 only); keys lose the Policy wrapper's "lm." prefix.
+    full = actor.engine._zero3_consolidated_16bit_state_dict() if actor.zero_stage == 3 \
+        else actor.engine.module.state_dict()
+    return {k.removeprefix("lm."): v for k, v in (full or {}).items()}
+
+
 def _fill(root: Path) -> None:
     """Fault injection: takes all but 4 KiB of the filesystem's free space (only a small one's, such as the tmpfs
     of the disk tests), as another job writing there would."""
@@ -169,14 +182,15 @@ def _fill(root: Path) -> None:
 
 def _expected_bytes(root: Path, actor) -> int:
     """The newest complete checkpoint's size, or (none yet) the DeepSpeed state (weights, fp32 master and Adam
-    moments: 16 bytes a parameter in bf16, 12 in fp32) plus the 16/32-bit export."""
+    moments: 16 bytes a parameter in bf16, 12 in fp32; with LoRA the adapters' only) plus the 16/32-bit export."""
     done = rundir.checkpoints(root.parent)
     if done:
         newest = done[max(done)]
         return sum(p.stat().st_size for p in newest.rglob("*") if p.is_file())
     params = sum(getattr(p, "ds_numel", p.numel()) for p in actor.module.parameters())
+    trained = sum(getattr(p, "ds_numel", p.numel()) for p in actor.module.parameters() if p.requires_grad)
     bf16 = actor.cfg.model.dtype == "bfloat16"
-    return params * ((2 + 4 + 4 + 4) + 2 if bf16 else (4 + 4 + 4) + 4)
+    return trained * (2 + 4 + 4 + 4 if bf16 else 4 + 4 + 4) + params * (2 if bf16 else 4)
 
 
 def _room_for(root: Path, need: int) -> str | None:
@@ -394,11 +408,18 @@ def load(actor, ckpt: Path, saved_world: int, run_dir: Path) -> None:
     """Collective. Restores engine state (model, optimizer, scheduler) and this rank's RNG states. A checkpoint
     written by another number of ranks is re-cut first (reshard); rank r then takes rank r mod N's RNG states."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    lora = actor.cfg.model.lora is not None
     if saved_world == world:
+        # A LoRA checkpoint holds the adapters only (save: exclude_frozen_parameters); the frozen base weights
+        # are already in place, loaded from model.path, so the module's state is loaded non-strictly.
         path, _ = actor.engine.load_checkpoint(str(ckpt / "ds"), tag="state", load_optimizer_states=True,
-                                              load_lr_scheduler_states=True)
+                                              load_lr_scheduler_states=True, load_module_strict=not lora)
         if path is None:
             raise ConfigError(f"checkpoint {ckpt}: DeepSpeed could not load {ckpt / 'ds'}")
+    elif lora:
+        raise ConfigError(f"checkpoint {ckpt}: a LoRA checkpoint written by {saved_world} ranks cannot be resumed on "
+                          f"{world} (re-cutting adapter-only checkpoints is not built); resume it with "
+                          f"--nproc {saved_world}")
     else:
         reshard(actor, ckpt, saved_world, run_dir / RESHARD)
     rng_file = ckpt / f"rng_rank{rank % saved_world}.pt"

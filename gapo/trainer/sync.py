@@ -84,7 +84,7 @@ def push(engine: Engine, actor: Actor, version: int, probe: Probe | None) -> Ver
     if probe is None:
         return out
     tic = time.perf_counter()
-    problems = receipt_problems(receipt, [name for name, _ in actor.module.named_parameters(remove_duplicate=False)])
+    problems = receipt_problems(receipt, actor.pushed_names())
     out.probe_diff = probe_diff(engine, actor, probe, version)  # every rank runs it: a ZeRO-3 forward is collective
     if not problems and not out.probe_diff <= probe.tolerance:
         problems.append(f"the engine's log-probs of the probe differ from the trainer's by {out.probe_diff:.3g} on "
