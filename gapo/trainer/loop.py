@@ -175,8 +175,8 @@ def setup(cfg: Config, rank: int, world: int) -> Setup:
     wandb_id = gather(tracker.wandb_id if tracker else None)[0]
     return Setup(cfg=cfg, run_dir=run_dir, first_step=start.state.step + 1 if start.state else 1, parent=start.parent,
                  tokenizer=tokenizer, pad_id=pad_id, problems=problems, prompt_ids=prompt_ids, sampler=sampler,
-                 benches=benches,
-                 engine=engine, actor=actor, probe=probe, tracker=tracker, wandb_id=wandb_id, loaded=start.ckpt)
+                 benches=benches, engine=engine, actor=actor, probe=probe, tracker=tracker, wandb_id=wandb_id,
+                 loaded=start.ckpt)
 
 
 def train(cfg: Config) -> Path:
@@ -195,7 +195,8 @@ def train(cfg: Config) -> Path:
     # both passes over a micro-batch must take the same path (see actor._decode), so it is decided here.
     share_prompts = t.share_prompts and not cfg.model.gradient_checkpointing
     val_history: list[tuple[int, dict]] = []
-    verified = r.verify_push == "off" or (r.verify_push == "first" and s.loaded is not None)  # (setup's push was)
+    # No more pushes to verify: never, or only the first (which setup's push was, when it resumed a checkpoint).
+    done_verifying = r.verify_push == "off" or (r.verify_push == "first" and s.loaded is not None)
     alarm = sync.MismatchAlarm(r.mismatch_alarm.factor, r.mismatch_alarm.floor or sync.ALARM_FLOOR[cfg.model.dtype],
                                r.mismatch_alarm.warmup)
 
@@ -266,9 +267,8 @@ def train(cfg: Config) -> Path:
         # --- 3. micro-batches, old log-probs (and entropy, engine/trainer mismatch) ------------------------------
         tic = time.perf_counter()
         minis = pack_step(batch.rollouts, batch.adv.adv, batch.adv.c, batch.adv.k, batch.keep, mini=shape.mini,
-                          micro=shape.micro,
-                          max_tokens=t.max_tokens_per_micro_batch, pad_id=s.pad_id, share_prompts=share_prompts,
-                          device=actor.device)
+                          micro=shape.micro, max_tokens=t.max_tokens_per_micro_batch, pad_id=s.pad_id,
+                          share_prompts=share_prompts, device=actor.device)
         old = old_logprobs(actor, [mb for mini in minis for mb in mini], cfg)
         timings["old_logprob"] = time.perf_counter() - tic
 
@@ -279,8 +279,8 @@ def train(cfg: Config) -> Path:
         timings["train"] = time.perf_counter() - tic
 
         # --- 5. weight push: gather (collective), stream into this rank's engine, verify (gapo/trainer/sync.py) ----
-        pushed = sync.push(engine, actor, step, None if verified else s.probe)
-        verified = verified or r.verify_push == "first"
+        pushed = sync.push(engine, actor, step, None if done_verifying else s.probe)
+        done_verifying = done_verifying or r.verify_push == "first"
         timings["weight_push"], timings["push_verify"] = pushed.push_s, pushed.verify_s
 
         # --- 6. metrics over all ranks ----------------------------------------------------------------------------
