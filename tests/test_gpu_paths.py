@@ -238,7 +238,8 @@ def test_cpu_checkpoint_has_no_cuda_state_and_loads_on_gpu(fake_cuda, monkeypatc
     expected = torch.rand(3)
     monkeypatch.setattr(checkpoint.dist, "get_rank", lambda: 0)
     monkeypatch.setattr(checkpoint.dist, "get_world_size", lambda: 1)
-    actor = types.SimpleNamespace(engine=types.SimpleNamespace(load_checkpoint=lambda *a, **k: ("ok", {})))
+    actor = types.SimpleNamespace(engine=types.SimpleNamespace(load_checkpoint=lambda *a, **k: ("ok", {})),
+                                  cfg=types.SimpleNamespace(model=types.SimpleNamespace(lora=None)))
     checkpoint.load(actor, tmp_path, 1, tmp_path)  # written by 1 rank, loaded by 1
     assert torch.equal(torch.rand(3), expected)
     assert restored == []
