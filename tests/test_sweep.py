@@ -255,15 +255,22 @@ def _fake_slurm(tmp_path: Path) -> Path:
     return fake
 
 
-def test_slurm_script_runs_the_right_command_for_each_task(tmp_path):
-    """The script's task-to-command mapping, executed with stand-ins for srun, torchrun and scontrol."""
+def _branch_task(tmp_path: Path, task: int, job_id: int, **extra: str):
+    """fig7_intervention's jobs, its branch script, and the environment SLURM would give its task `task`, with
+    stand-ins for srun, torchrun and scontrol on the PATH."""
     m = load_manifest("fig7_intervention")
     js = jobs(m, tmp_path / "runs")
     _, branches, _, _ = slurm(m, js, tmp_path / "slurm")
     fake = _fake_slurm(tmp_path)
-    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "SLURM_ARRAY_TASK_ID": "1", "SLURM_NNODES": "1",
-           "SLURM_JOB_NODELIST": "node1", "RECORD": str(tmp_path / "args"), "GAPO_PYTHON": str(fake / "python"),
-           "SLURM_JOB_ID": "78", "SLURM_CPUS_PER_TASK": "32"}
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "SLURM_ARRAY_TASK_ID": str(task),
+           "SLURM_NNODES": "1", "SLURM_JOB_NODELIST": "node1", "RECORD": str(tmp_path / "args"),
+           "GAPO_PYTHON": str(fake / "python"), "SLURM_JOB_ID": str(job_id), "SLURM_CPUS_PER_TASK": "32", **extra}
+    return js, branches, env
+
+
+def test_slurm_script_runs_the_right_command_for_each_task(tmp_path):
+    """The script's task-to-command mapping, executed with stand-ins for srun, torchrun and scontrol."""
+    js, branches, env = _branch_task(tmp_path, task=1, job_id=78)
     assert subprocess.run(["bash", str(branches)], env=env).returncode == 0
     args = (tmp_path / "args").read_text().split("\n")
     job = [j for j in js if j.parent is not None][1]
@@ -284,13 +291,7 @@ def test_a_branch_stopped_before_its_first_save_starts_over_from_its_parent(tmp_
     """Requeued with a metrics.jsonl and a half-written checkpoint but no complete checkpoint of its own, the
     branch task clears them and starts from its parent's checkpoint again (gapo-train refuses a directory that
     holds a run, which would fail every requeue); the run's other files stay."""
-    m = load_manifest("fig7_intervention")
-    js = jobs(m, tmp_path / "runs")
-    _, branches, _, _ = slurm(m, js, tmp_path / "slurm")
-    fake = _fake_slurm(tmp_path)
-    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "SLURM_ARRAY_TASK_ID": "0", "SLURM_NNODES": "1",
-           "SLURM_JOB_NODELIST": "node1", "RECORD": str(tmp_path / "args"), "GAPO_PYTHON": str(fake / "python"),
-           "SLURM_JOB_ID": "79", "SLURM_CPUS_PER_TASK": "32", "SLURM_RESTART_COUNT": "1"}
+    js, branches, env = _branch_task(tmp_path, task=0, job_id=79, SLURM_RESTART_COUNT="1")
     job = [j for j in js if j.parent is not None][0]
     (job.out / "checkpoints" / ".tmp-step_000700").mkdir(parents=True)
     (job.out / "metrics.jsonl").write_text('{"step": 601}\n')
