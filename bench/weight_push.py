@@ -91,7 +91,7 @@ def main() -> None:
     times: dict[str, list[float]] = {"push": [], "memcpy": []}
     for rep in range(args.reps + 1):  # the first round is warm-up
         tic = time.perf_counter()
-        engine.push_weights(iter(weights))
+        engine.push_weights(iter(weights), version=1)
         push = time.perf_counter() - tic
         tic = time.perf_counter()
         for d, (_, s) in zip(dst, weights, strict=True):

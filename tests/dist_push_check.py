@@ -50,11 +50,11 @@ def main(out_path: str) -> None:
     actor.backward(-(logp * mb.resp_mask).sum() / mb.resp_mask.sum())
     with torch.no_grad():
         trainer = actor.engine(mb, 1.0)[0]
-    engine.push_weights(actor.gathered_weights(bucket_numel=20_000))  # tiny buckets: many gather rounds
+    engine.push_weights(actor.gathered_weights(bucket_numel=20_000), version=1)  # tiny buckets: many gather rounds
     after = engine_logprobs(engine, seqs)
 
     hf = HFEngine(model_dir)
-    hf.push_weights(actor.gathered_weights())
+    hf.push_weights(actor.gathered_weights(), version=1)
     with torch.no_grad():
         h = hf.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits.float()
         hf_lp = torch.log_softmax(h, -1).gather(-1, mb.input_ids[:, 1:, None]).squeeze(-1)
