@@ -106,6 +106,7 @@ def train_main(argv: list[str] | None = None) -> int:
     if not args.verbose:
         console.capture(show_warnings=rank0)  # before the libraries load: what they print goes to train.log
     from gapo.reward.registry import RewardsFailed
+    from gapo.rollout.split import PeerGone
     from gapo.trainer import preempt
     from gapo.trainer.checkpoint import CheckpointError
     from gapo.trainer.loop import TrainingDiverged, train
@@ -120,6 +121,9 @@ def train_main(argv: list[str] | None = None) -> int:
     except (TrainingDiverged, RewardsFailed, CheckpointError, SyncError) as err:
         console.error(f"gapo-train: {err}{console.failed_start()}")
         return 3
+    except PeerGone as err:  # split placement: the other side of the bridge died or failed first, and says why
+        console.error(f"gapo-train: {err}")
+        return 1
     except Preempted as err:
         # Every rank has saved (the save ends in a barrier). The first rank to exit makes torchrun SIGTERM the
         # others, and Python drops its handlers while it shuts down: ignore the signal so each exits PREEMPTED.
@@ -130,7 +134,7 @@ def train_main(argv: list[str] | None = None) -> int:
         return PREEMPTED
     if rank0:
         console.say(console.outputs(run_dir))
-    return 0
+    return 0  # (a generator rank of a split job returns no run_dir: its trainers report the run)
 
 
 def _fields_help() -> str:

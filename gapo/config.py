@@ -344,6 +344,28 @@ class RolloutConfig(_Section):
         None, gt=0.0, description="Largest mean |engine - trainer| log-prob over the probe's tokens that a verified "
                                   "push may show; null: 1e-4 in float32, 5e-2 in bfloat16.")
     mismatch_alarm: MismatchAlarmConfig = Field(default_factory=MismatchAlarmConfig)
+    placement: Literal["colocated", "split"] = Field(
+        "colocated", description="colocated: every rank generates, then trains. split: rollout.generator_ranks of "
+                                 "the job's ranks (the last ones) only generate and the others only train; weights "
+                                 "cross a gloo bridge after every step (gapo/rollout/split.py).")
+    generator_ranks: int = Field(0, ge=0, description="split: how many of the job's ranks run an engine only "
+                                                      "(at most as many as the training ranks).")
+    max_staleness: int = Field(
+        0, ge=0, description="split: while the trainer trains step n, the generators sample steps up to n + this, "
+                             "so step n's rollouts come from the weights of step n-1-j, j <= max_staleness. 0: "
+                             "synchronous, on-policy (the paper's runs); 1: one-step off-policy.")
+
+    @model_validator(mode="after")
+    def _placement(self) -> RolloutConfig:
+        if self.placement == "split" and self.generator_ranks < 1:
+            raise ValueError("rollout.placement=split needs rollout.generator_ranks >= 1")
+        if self.placement == "colocated" and (self.generator_ranks or self.max_staleness):
+            raise ValueError("rollout.generator_ranks and rollout.max_staleness need rollout.placement=split "
+                             "(a colocated engine samples while its own rank waits)")
+        if self.placement == "split" and self.sleep_between_steps:
+            raise ValueError("rollout.sleep_between_steps has no use with rollout.placement=split: the engines have "
+                             "ranks of their own")
+        return self
 
 
 class RewardConfig(_Section):
@@ -516,6 +538,11 @@ class Config(_Section):
             raise ValueError("algorithm.rollout_correction needs the trainer's own old log-probs: with "
                              "rollout.use_engine_logprobs=true pi_old is the engine's, so every ratio "
                              "pi_old / pi_rollout is 1 and the correction would do nothing")
+        if self.rollout.max_staleness and self.rollout.use_engine_logprobs:
+            raise ValueError(f"rollout.max_staleness={self.rollout.max_staleness} needs "
+                             "rollout.use_engine_logprobs=false: pi_old must be the trainer's weights at the step "
+                             "(the clip's centre), while the engine's log-probs come from weights up to "
+                             "max_staleness steps older (the behaviour policy, which rollout correction uses)")
         if self.rollout.sleep_between_steps and self.rollout.engine != "vllm":
             raise ValueError("rollout.sleep_between_steps=true needs rollout.engine=vllm (GPU only)")
         longest = self.data.max_prompt_tokens + self.rollout.max_new_tokens

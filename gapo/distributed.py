@@ -16,12 +16,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(timeout_min: float = 60.0) -> tuple[int, int]:
+PLACEMENT = None  # gapo.rollout.split.Placement in a split job (rollout.placement: split), else None
+
+
+def init_distributed(timeout_min: float = 60.0, generators: int = 0) -> tuple[int, int]:
     """torchrun sets RANK/WORLD_SIZE/MASTER_*; a plain `gapo-train` is a world of one on a free port.
 
     `timeout_min` bounds every collective (trainer.collective_timeout_min): ranks wait in one while another still
     generates, scores, evaluates or saves, and DeepSpeed's default (10 minutes) is shorter than a long-context
-    step; past it NCCL's watchdog ends the job."""
+    step; past it NCCL's watchdog ends the job.
+
+    With `generators` > 0 (split placement) the job's last `generators` ranks form a world of their own, as do the
+    others, and a bridge joins both (PLACEMENT); the returned rank and world are those of this process's own world,
+    and RANK/WORLD_SIZE are rewritten to match, since DeepSpeed and vLLM's external launcher read them."""
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
@@ -42,9 +49,35 @@ def init_distributed(timeout_min: float = 60.0) -> tuple[int, int]:
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     from datetime import timedelta
 
+    if generators:
+        _init_split(generators, timedelta(minutes=timeout_min), "nccl" if torch.cuda.is_available() else "gloo")
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo",
                                timeout=timedelta(minutes=timeout_min))
     return dist.get_rank(), dist.get_world_size()
+
+
+def _init_split(generators: int, timeout, backend: str) -> None:
+    """Two worlds and a bridge on torchrun's own store (TCPStore at MASTER_ADDR:MASTER_PORT, held by its agent):
+    each world's keys under a prefix of its own, so that both can have a rank 0."""
+    global PLACEMENT
+    import torch.distributed as dist
+
+    from gapo.rollout.split import connect
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    trainers = world - generators
+    if trainers < generators:
+        raise ValueError(f"rollout.generator_ranks={generators} of {world} ranks leaves {trainers} training ranks; "
+                         "each generator needs at least one (set it to at most half the ranks)")
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timeout)
+    generator = rank >= trainers
+    own_rank, own_world = (rank - trainers, generators) if generator else (rank, trainers)
+    dist.init_process_group(backend, store=dist.PrefixStore("gapo-generators/" if generator else "gapo-trainers/",
+                                                            store), rank=own_rank, world_size=own_world,
+                            timeout=timeout)
+    os.environ.update(RANK=str(own_rank), WORLD_SIZE=str(own_world), GAPO_GLOBAL_RANK=str(rank))
+    PLACEMENT = connect(store, rank, trainers, generators, timeout)
 
 
 _AT_LEAVE: list[Callable[[], None]] = []

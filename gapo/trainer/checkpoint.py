@@ -25,7 +25,7 @@ import os
 import random
 import shutil
 import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
@@ -62,6 +62,13 @@ class TrainerState:
     # Where this run branched from: {"run_dir", "step", "algorithm"} (the paper's step-600 intervention).
     parent: dict | None = None
     manifested: bool = False  # written with manifest.json (save sets it): then a missing manifest is damage
+    # Split placement, rollout.max_staleness > 0: the steps after this one whose prompts were drawn and rollouts
+    # sampled already; each rank's are in in_flight_name(rank), so that the resumed run trains on the same ones.
+    in_flight: list[int] = field(default_factory=list)
+
+
+def in_flight_name(rank: int) -> str:
+    return f"in_flight_rank{rank}.pt"
 
 
 def _fsync_tree(root: Path) -> None:
@@ -92,7 +99,7 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be written (a full disk): the previous ones are intact, the partial one removed."""
 
 
-def save(actor, tokenizer, cfg: Config, state: TrainerState, run_dir: Path) -> Path:
+def save(actor, tokenizer, cfg: Config, state: TrainerState, run_dir: Path, in_flight: dict | None = None) -> Path:
     """Collective: every rank calls it. Returns the checkpoint directory.
 
     Refuses before writing when the disk has less room than the checkpoint needs (its predecessor's size, or an
@@ -121,6 +128,8 @@ def save(actor, tokenizer, cfg: Config, state: TrainerState, run_dir: Path) -> P
         actor.engine.save_checkpoint(str(tmp / "ds"), tag="state", save_latest=False,
                                      exclude_frozen_parameters=cfg.model.lora is not None)
         torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+        if state.in_flight:
+            torch.save(in_flight, tmp / in_flight_name(rank))
     except WRITE_ERRORS as err:
         failure = f"rank {rank}: {err}"
     state_dict = _export_state_dict(actor, rank)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import Tensor
 from tqdm import tqdm
 
-from gapo import console, rundir
+from gapo import console, distributed, rundir
 from gapo.config import Config, ConfigError
 from gapo.data import Problem, Sampler, stop_token_ids, tokenize_problems
 from gapo.distributed import gather, init_distributed
@@ -37,6 +37,7 @@ from gapo.memory import plan_text
 from gapo.models import check_context_budget, resolve_model
 from gapo.reward.registry import check_rewards, score_groups, training_set
 from gapo.reward.types import status_counts
+from gapo.rollout import split
 from gapo.rollout.engine import Engine, build_engine
 from gapo.rollout.types import Rollout, SamplingConfig
 from gapo.tracking import Tracker
@@ -97,6 +98,28 @@ class Setup:
     tracker: Tracker | None  # rank 0 only
     wandb_id: str | None
     loaded: Path | None  # the checkpoint it went on from (its run's step-0 validation is logged already)
+    in_flight: dict[int, Request]  # rollouts the checkpoint holds of steps requested ahead of it (split placement)
+
+
+@dataclass
+class Request:
+    """One step's prompts on this rank, drawn when its rollouts are requested: at the step itself, or up to
+    rollout.max_staleness steps ahead (split placement). `groups` is filled when the rollouts are collected; a
+    checkpoint keeps the requests ahead of it with their rollouts, so that a resumed run trains on the very same."""
+
+    problems: list[int]  # indices into Setup.problems, one per group
+    seeds: list[int]
+    groups: list[list[Rollout]] | None = None
+    wait_s: float = 0.0  # the trainer's time blocked on them (split)
+    generator_s: float = math.nan  # the generator's time sampling them, and idle before it (split)
+    generator_idle_s: float = math.nan
+
+
+def engine_of(cfg: Config, model_dir: str, max_model_len: int, seed: int) -> Engine:
+    r = cfg.rollout
+    return build_engine(r.engine, model_dir, dtype=cfg.model.dtype, seed=seed, max_model_len=max_model_len,
+                        gpu_memory_utilization=r.gpu_memory_utilization, kv_cache_gb=r.kv_cache_gb,
+                        sleep_mode=r.sleep_between_steps, compile=r.compile)
 
 
 def setup(cfg: Config, rank: int, world: int) -> Setup:
@@ -151,18 +174,28 @@ def setup(cfg: Config, rank: int, world: int) -> Setup:
             f.writelines(json.dumps(asdict(x)) + "\n" for x in dropped)
         console.say(f"dropped    {len(dropped)} records before training: {run_dir / rundir.DROPPED}")
 
-    # Engine (after init_distributed: vLLM joins the world group), then the actor.
-    engine = build_engine(r.engine, model_dir, dtype=cfg.model.dtype, seed=t.seed + rank,
-                          max_model_len=d.max_prompt_tokens + max(r.max_new_tokens, ev.max_new_tokens),
-                          gpu_memory_utilization=r.gpu_memory_utilization, kv_cache_gb=r.kv_cache_gb,
-                          sleep_mode=r.sleep_between_steps, compile=r.compile)
+    # Engine (after init_distributed: vLLM joins the world group), then the actor. Split: the generator ranks build
+    # theirs (serve_rollouts) once this rank's leader has told them the run's directory, while the actor loads here.
+    max_model_len = d.max_prompt_tokens + max(r.max_new_tokens, ev.max_new_tokens)
+    if distributed.PLACEMENT is not None:
+        engine = split.RemoteEngine(distributed.PLACEMENT, rank)
+        engine.hello(model_dir, str(run_dir), max_model_len)
+    else:
+        engine = engine_of(cfg, model_dir, max_model_len, seed=t.seed + rank)
     resharding = start.state is not None and start.state.world_size != world
+    if start.state is not None and start.state.in_flight and (resharding or cfg.rollout.placement != "split"):
+        raise ConfigError(f"{start.ckpt} holds the rollouts of steps {start.state.in_flight}, sampled ahead "
+                          f"(rollout.max_staleness) on {start.state.world_size} training ranks: resume it with "
+                          "rollout.placement=split on as many training ranks")
     actor = Actor(cfg, model_dir, load_universal=resharding)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     probe = sync.Probe.of(tokenizer, cfg, pad_id)
-    if start.ckpt is not None:  # model, optimizer, scheduler, this rank's RNG states
+    in_flight: dict[int, Request] = {}
+    if start.ckpt is not None:  # model, optimizer, scheduler, this rank's RNG states (and rollouts sampled ahead)
         checkpoint.load(actor, start.ckpt, start.state.world_size, run_dir)
         sampler.load_state_dict(start.state.sampler)
+        if start.state.in_flight:
+            in_flight = torch.load(start.ckpt / checkpoint.in_flight_name(rank), weights_only=False)
         sync.push(engine, actor, start.state.step, probe if r.verify_push != "off" else None)
 
     tracker = None
@@ -176,18 +209,48 @@ def setup(cfg: Config, rank: int, world: int) -> Setup:
     return Setup(cfg=cfg, run_dir=run_dir, first_step=start.state.step + 1 if start.state else 1, parent=start.parent,
                  tokenizer=tokenizer, pad_id=pad_id, problems=problems, prompt_ids=prompt_ids, sampler=sampler,
                  benches=benches, engine=engine, actor=actor, probe=probe, tracker=tracker, wandb_id=wandb_id,
-                 loaded=start.ckpt)
+                 loaded=start.ckpt, in_flight=in_flight)
 
 
-def train(cfg: Config) -> Path:
+def train(cfg: Config) -> Path | None:
     preempt.install()  # SIGTERM / SIGUSR1: stop at the next safe point, save, exit PREEMPTED
-    rank, world = init_distributed(cfg.trainer.collective_timeout_min)
-    shape = cfg.shape(world)
+    rank, world = init_distributed(cfg.trainer.collective_timeout_min, cfg.rollout.generator_ranks)
+    if distributed.PLACEMENT is not None and distributed.PLACEMENT.is_generator:
+        serve_rollouts(cfg, distributed.PLACEMENT)
+        return None
+    cfg.shape(world)  # a batch that does not split on these ranks stops here, before anything loads
     random.seed(cfg.trainer.seed + rank)
     np.random.seed(cfg.trainer.seed + rank)
     torch.manual_seed(cfg.trainer.seed + rank)
     s = setup(cfg, rank, world)
+    try:
+        run_dir = steps(s, rank, world)
+    except BaseException as err:  # a split job's generators stop with it, and say why
+        if isinstance(s.engine, split.RemoteEngine):
+            try:
+                s.engine.close("preempted" if isinstance(err, Preempted) else "failed")
+            except split.PeerGone as gone:  # the generator is gone already: the original error is the news
+                log.warning("could not tell the generator to stop: %s", gone)
+        raise
+    return run_dir
+
+
+def serve_rollouts(cfg: Config, placement: split.Placement) -> None:
+    """A generator rank (split placement): sample for the trainers until they stop."""
+    why = split.serve(placement, lambda model_dir, max_model_len: engine_of(
+        cfg, model_dir, max_model_len, seed=cfg.trainer.seed + placement.global_rank))
+    if why == "preempted":
+        raise Preempted(f"generator rank {placement.global_rank}: the trainers were preempted")
+    if why == "failed":
+        raise split.PeerGone(f"generator rank {placement.global_rank}: the trainers stopped after a failure (their "
+                             "message says which)")
+
+
+def steps(s: Setup, rank: int, world: int) -> Path:
+    """The step loop, from the setup's first step to trainer.total_steps."""
     cfg, run_dir, engine, actor, tracker = s.cfg, s.run_dir, s.engine, s.actor, s.tracker
+    shape = cfg.shape(world)
+    remote = engine if isinstance(engine, split.RemoteEngine) else None
     t, r, a, ev = cfg.trainer, cfg.rollout, cfg.algorithm, cfg.eval
     sampling = SamplingConfig(n=r.group_size, temperature=r.temperature, top_p=r.top_p,
                               max_new_tokens=r.max_new_tokens, stop_token_ids=stop_token_ids(s.tokenizer))
@@ -218,28 +281,59 @@ def train(cfg: Config) -> Path:
     skipped_in_a_row = 0
     last_rest_s = last_save_s = 0.0  # the previous step's time after scoring, and its checkpoint's: a deadline check
 
-    def save(step: int) -> None:
+    requests: dict[int, Request] = dict(s.in_flight)  # by step: drawn, and sent to the generator when split
+
+    def request(step: int) -> Request:
+        """Draw the step's prompts (the same global draw on every rank, each takes its contiguous shard); split:
+        send them to the generator now."""
+        drawn = s.sampler.next(r.prompts_per_step)
+        mine = range(rank * shape.prompts, (rank + 1) * shape.prompts)
+        req = Request([drawn[j] for j in mine], [request_seed(t.seed, step, j) for j in mine])
+        if remote:
+            remote.submit([s.prompt_ids[i] for i in req.problems], sampling, req.seeds)
+        return req
+
+    def collect(req: Request) -> None:
+        """The request's rollouts, sampled here (colocated) or waited for (split: answers come in request order)."""
+        if req.groups is not None:
+            return
+        tic = time.perf_counter()
+        if remote:
+            served = remote.collect()
+            req.groups, req.generator_s, req.generator_idle_s = served.groups, served.generate_s, served.idle_s
+        else:
+            req.groups = engine.generate([s.prompt_ids[i] for i in req.problems], sampling, seeds=req.seeds)
+        req.wait_s = time.perf_counter() - tic
+
+    def save(step: int, sampler_state: dict | None = None, ahead: list[int] | None = None) -> None:
+        """Checkpoint `step`; the requests of the steps after it (`ahead`, default all) go in with their rollouts."""
+        ahead = sorted(n for n in requests if n > step) if ahead is None else ahead
+        for n in ahead:  # in request order, the order the generator answers in
+            collect(requests[n])
         checkpoint.save(actor, s.tokenizer, cfg, checkpoint.TrainerState(
-            step=step, sampler=s.sampler.state_dict(), world_size=world, wandb_id=s.wandb_id, parent=s.parent),
-            run_dir)
+            step=step, sampler=sampler_state or s.sampler.state_dict(), world_size=world, wandb_id=s.wandb_id,
+            parent=s.parent, in_flight=ahead), run_dir, in_flight={n: requests[n] for n in ahead})
 
     startup_s = process_age()  # process start to the first step (the step-0 validation included)
     for step in tqdm(range(s.first_step, t.total_steps + 1), desc="steps", disable=rank != 0,
                      initial=s.first_step - 1, total=t.total_steps, file=console.terminal()):
         timings: dict[str, float] = {}
         step_tic = time.perf_counter()
-        before = s.sampler.state_dict(), checkpoint.rng_state()  # this step redone on resume, if it is abandoned
+        # This step redone on resume, if it is abandoned: the sampler, RNG and requests as the previous step left them.
+        before = s.sampler.state_dict(), checkpoint.rng_state(), sorted(requests)
         if requested("signal") == str(step) and rank == 0:  # (gapo.faults: the preemption tests)
             os.kill(os.getpid(), signal.SIGTERM)
-        # --- 1. prompts (the same global draw on every rank, each takes its contiguous shard) -> rollouts ------
-        drawn = s.sampler.next(r.prompts_per_step)
-        mine = list(range(rank * shape.prompts, (rank + 1) * shape.prompts))
-        problems = [s.problems[drawn[j]] for j in mine]
-        tic = time.perf_counter()
-        groups: list[list[Rollout]] = engine.generate([s.prompt_ids[drawn[j]] for j in mine], sampling,
-                                                      seeds=[request_seed(t.seed, step, j) for j in mine])
-        timings["generate"] = time.perf_counter() - tic
-        sync.check_versions(groups, expected=step - 1, step=step)  # sampled with the previous step's weights
+        # --- 1. prompts -> rollouts: this step's, requested now or up to rollout.max_staleness steps ago (split) -----
+        for n in range(step, min(step + r.max_staleness, t.total_steps) + 1):
+            if n not in requests:
+                requests[n] = request(n)
+        req = requests[step]
+        collect(req)
+        problems, groups = [s.problems[i] for i in req.problems], req.groups
+        timings["generate"] = req.wait_s
+        # Sampled with the weights of step n-1-max_staleness (the previous step's when synchronous), never others.
+        version = max(step - 1 - r.max_staleness, 0)
+        sync.check_versions(groups, expected=version, step=step)
         if r.sleep_between_steps:
             engine.sleep()
 
@@ -247,21 +341,22 @@ def train(cfg: Config) -> Path:
         tic = time.perf_counter()
         results = score_groups(cfg.data.type, [[x.text for x in g] for g in groups], problems, cfg.reward)
         timings["reward"] = time.perf_counter() - tic
-        batch = StepBatch.scored(step, step - 1, problems, groups, results, cfg)
+        batch = StepBatch.scored(step, version, problems, groups, results, cfg)
         check_rewards(batch.flat_results, cfg.reward.max_error_frac, step, actor.device)
         since = preempt.agreed(actor.device)
         if since is not None and since + last_rest_s + last_save_s > t.preempt_deadline_s:
             # Signalled, and finishing the step would pass the deadline: nothing has moved yet, so the previous
             # step's state is saved, with the sampler and RNG from before this step.
-            s.sampler.load_state_dict(before[0])
             checkpoint.set_rng_state(before[1])
             reloaded = (step == s.first_step and s.loaded is not None
                         and s.loaded.parent.resolve() == (run_dir / rundir.CHECKPOINTS).resolve())
             if not reloaded:  # (else that state is the checkpoint this run loaded: rewriting would first remove it)
-                save(step - 1)
+                save(step - 1, sampler_state=before[0], ahead=before[2])
+            s.sampler.load_state_dict(before[0])
             raise Preempted(f"preempted {since:.0f} s ago: step {step} abandoned (it would end past "
                             f"trainer.preempt_deadline_s={t.preempt_deadline_s:g}), step {step - 1} saved in "
                             f"{run_dir / rundir.CHECKPOINTS}; `--resume auto` goes on from there")
+        del requests[step]
         rest_tic = time.perf_counter()
 
         # --- 3. micro-batches, old log-probs (and entropy, engine/trainer mismatch) ------------------------------
@@ -301,7 +396,10 @@ def train(cfg: Config) -> Path:
         if rank == 0:
             metrics = step_metrics(parts, a.is_level, up.grad_norm, actor.lr(), a.correct_threshold,
                                    correction=a.rollout_correction.mode != "off")
-            metrics["sync/weight_version"] = float(step - 1)  # what this step's rollouts were sampled with
+            metrics["sync/weight_version"] = float(version)  # what this step's rollouts were sampled with
+            metrics["rollout/staleness"] = float(step - 1 - version)  # steps behind the on-policy weights
+            if remote:  # rank 0's generator: its time sampling this step's rollouts, and idle before them
+                metrics["time/generator_s"], metrics["time/generator_idle_s"] = req.generator_s, req.generator_idle_s
             if math.isfinite(pushed.probe_diff):
                 metrics["sync/probe_logprob_diff"] = pushed.probe_diff  # rank 0's engine after this step's push
             if step == s.first_step:
@@ -335,6 +433,8 @@ def train(cfg: Config) -> Path:
         if since is not None and step < t.total_steps:
             raise Preempted(f"preempted {since:.0f} s ago: step {step} saved in {run_dir / rundir.CHECKPOINTS}; "
                             "`--resume auto` goes on from there")
+    if remote:
+        remote.close("done")
     if tracker:
         if len(val_history) > 1:
             (s0, m0), (s1, m1) = val_history[0], val_history[-1]

@@ -128,10 +128,11 @@ def probe_diff(engine: Engine, actor: Actor, probe: Probe, version: int) -> floa
 
 def check_versions(groups: list[list[Rollout]], expected: int, step: int) -> None:
     """Every rollout of the step must come from the weights of step `expected` (synchronous training: the previous
-    step's); collective, so that every rank stops together."""
+    step's; rollout.max_staleness steps before that when split); collective, so that every rank stops together."""
     found = sorted({x.version for g in groups for x in g} - {expected})
     problems = [f"rollouts of step {step} were sampled with weight version(s) {found}, expected {expected} (the "
-                "previous step's): a weight push was skipped or did not reach the engine"] if found else []
+                "previous step's, less rollout.max_staleness): a weight push was skipped or did not reach the "
+                "engine"] if found else []
     stop_together(problems, f"step {step}")
 
 
