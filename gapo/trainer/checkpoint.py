@@ -50,7 +50,10 @@ MAY_CHANGE = ("algorithm.", "trainer.resume_from", "trainer.total_steps", "train
               "trainer.log_rollouts", "trainer.max_skipped_steps", "trainer.preempt_deadline_s",
               "trainer.collective_timeout_min", "trainer.check_memory", "tracking.", "reward.", "eval.",
               "rollout.engine", "rollout.compile", "rollout.kv_cache_gb", "rollout.gpu_memory_utilization",
-              "rollout.sleep_between_steps", "rollout.verify_push", "rollout.push_tolerance", "rollout.mismatch_alarm")
+              "rollout.sleep_between_steps", "rollout.verify_push", "rollout.push_tolerance", "rollout.mismatch_alarm",
+              # (a checkpoint holding rollouts sampled ahead is refused by gapo.trainer.loop.setup unless split
+              # placement on as many training ranks, with the same rollout.max_staleness, resumes it)
+              "rollout.placement", "rollout.generator_ranks", "rollout.max_staleness")
 
 
 @dataclass

@@ -196,6 +196,12 @@ def setup(cfg: Config, rank: int, world: int) -> Setup:
         sampler.load_state_dict(start.state.sampler)
         if start.state.in_flight:
             in_flight = torch.load(start.ckpt / checkpoint.in_flight_name(rank), weights_only=False)
+            lags = {n: {n - 1 - x.version for g in req.groups for x in g} for n, req in in_flight.items()}
+            if any(x.version != max(n - 1 - r.max_staleness, 0) for n, req in in_flight.items()
+                   for g in req.groups for x in g):
+                raise ConfigError(f"{start.ckpt} holds rollouts sampled ahead with rollout.max_staleness="
+                                  f"{max(max(v) for v in lags.values())}: resume it with that value, not "
+                                  f"{r.max_staleness}")
         sync.push(engine, actor, start.state.step, probe if r.verify_push != "off" else None)
 
     tracker = None

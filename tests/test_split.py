@@ -1,0 +1,200 @@
+"""Split placement (rollout.placement: split, gapo/rollout/split.py): generator ranks sample while trainer ranks train.
+
+The bridge protocol is checked in-process on a real gloo bridge (three threads, a stand-in engine that stamps the
+weight version it samples with); the whole job with the real stack (vLLM + DeepSpeed ZeRO-3 on gloo, 1 generator and
+2 trainers): synchronous split equals colocated metric for metric, one step of staleness resumes exactly after a
+preemption, a dead generator is named."""
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_checkpoint import ENV, ROOT, _pids_of, _rollouts, _wait_for_step, assert_same_steps, cmd, metrics, run
+
+from gapo.config import ConfigError, load_config
+from gapo.rollout import split
+from gapo.rollout.types import PushReceipt, Rollout, SamplingConfig
+
+SPLIT = ["rollout.placement=split", "rollout.generator_ranks=1"]
+
+
+# --- config ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["rollout.placement=split"], "rollout.placement=split needs rollout.generator_ranks >= 1"),
+    (["rollout.max_staleness=1"], "need rollout.placement=split"),
+    ([*SPLIT, "rollout.max_staleness=1", "rollout.use_engine_logprobs=true"],
+     "rollout.max_staleness=1 needs rollout.use_engine_logprobs=false"),
+])
+def test_split_settings_that_cannot_work_are_refused(overrides, needle):
+    with pytest.raises(ConfigError, match=needle.replace("+", r"\+").replace(".", r"\.")):
+        load_config(ROOT / "configs" / "tiny_cpu.yaml", overrides)
+
+
+def test_each_trainer_has_one_generator_and_the_first_ones_lead():
+    p = split.Placement(global_rank=0, trainers=3, generators=2, bridge=None)
+    assert [p.generator_of(t) for t in range(3)] == [3, 4, 3]
+    assert p.trainers_of(3) == [0, 2] and p.trainers_of(4) == [1]
+    assert not p.is_generator and split.Placement(3, 3, 2, None).is_generator
+
+
+# --- the protocol, in-process ------------------------------------------------------------------------------------
+
+class StampingEngine:
+    """Samples nothing: each 'rollout' carries the weight version the engine held when the request was served."""
+
+    def __init__(self):
+        self.version, self.pushed = 0, []
+
+    def generate(self, prompts, sampling, seeds):
+        time.sleep(0.05)  # long enough for the trainers' messages to queue up behind it
+        pairs = zip(prompts, seeds, strict=True)
+        return [[Rollout(p, [s], [0.0], False, str(s), version=self.version)] for p, s in pairs]
+
+    def push_weights(self, weights, version):
+        got = list(weights)
+        self.pushed.append((version, [(n, float(t.sum())) for n, t in got]))
+        self.version = version
+        return PushReceipt(received=[n for n, _ in got], unloaded=[])
+
+
+def _bridge_job(trainer_body, trainers: int = 2) -> tuple[dict, StampingEngine, str]:
+    """Run `trainer_body(engine: RemoteEngine, trainer: int) -> result` on `trainers` threads and split.serve on one
+    more, over a real gloo bridge; returns the results by trainer, the generator's engine and why it stopped."""
+    store, world = dist.HashStore(), trainers + 1
+    engine, results, errors, why = StampingEngine(), {}, [], []
+
+    def rank(r):
+        try:
+            placement = split.connect(store, r, trainers, 1, timedelta(seconds=20))
+            if placement.is_generator:
+                why.append(split.serve(placement, lambda model_dir, max_len: engine))
+                return
+            remote = split.RemoteEngine(placement, r)
+            remote.hello("model", "/nonexistent/run", 64)
+            results[r] = trainer_body(remote, r)
+            remote.close("done")
+        except BaseException as err:  # noqa: BLE001 (re-raised below, in the test's thread)
+            errors.append(err)
+
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert not any(t.is_alive() for t in threads), "the bridge hung"
+    return results, engine, why[0]
+
+
+SAMPLING = SamplingConfig(n=1, temperature=1.0, top_p=1.0, max_new_tokens=4, stop_token_ids=[])
+
+
+def test_requests_sent_ahead_keep_their_weights_and_answers_keep_their_order():
+    """Each trainer sends steps 1 and 2 before training step 1 (max_staleness 1), pushes, sends step 3, evaluates
+    (a synchronous generate that overtakes nothing), then collects 2 and 3. Step 2 was sent before push 1, so it is
+    sampled with version 0 on every timing; step 3 and the evaluation come after it, with version 1. Trainer 1 pushes
+    late: the generator holds the leader's weights until trainer 1's header arrives, and trainer 0's step-3 request
+    cannot overtake the push."""
+
+    def body(remote, t):
+        a = remote.submit([[t, 1]], SAMPLING, [10 + t])
+        b = remote.submit([[t, 2]], SAMPLING, [20 + t])
+        first = remote.collect()
+        if t == 1:
+            time.sleep(0.3)
+        weights = iter([("w", torch.full((3,), 2.0)), ("v", torch.ones(2))])
+        receipt = remote.push_weights(weights, 1)
+        c = remote.submit([[t, 3]], SAMPLING, [30 + t])
+        evaluated = remote.generate([[t, 9]], SAMPLING, [90 + t])
+        second, third = remote.collect(), remote.collect()
+        assert [first.id, second.id, third.id] == [a, b, c]
+        return ([g[0].version for x in (first, second, third) for g in x.groups], evaluated[0][0].version,
+                [g[0].text for x in (first, second, third) for g in x.groups], receipt.received)
+
+    results, engine, why = _bridge_job(body)
+    assert why == "done"
+    for t in (0, 1):
+        versions, eval_version, texts, received = results[t]
+        assert versions == [0, 0, 1] and eval_version == 1
+        assert texts == [str(10 + t), str(20 + t), str(30 + t)]  # each trainer got its own answers, in order
+        assert received == ["w", "v"]  # the same receipt on the leader and the other trainer
+    assert engine.pushed == [(1, [("w", 6.0), ("v", 2.0)])]  # once, with the leader's tensors
+
+
+def test_a_generator_stops_failed_when_a_trainer_failed():
+    def body(remote, t):
+        remote.generate([[t]], SAMPLING, [t])
+        if t == 1:
+            remote.close("failed")
+        return None
+
+    _, _, why = _bridge_job(body)
+    assert why == "failed"
+
+
+# --- the whole job -----------------------------------------------------------------------------------------------
+
+@pytest.mark.e2e
+def test_synchronous_split_equals_colocated(tmp_path):
+    """max_staleness 0: the trainers' requests and seeds are the colocated run's, each served as its own batch, so
+    1 generator + 2 trainers must log what 2 colocated ranks log (fp32), and sample the same rollouts."""
+    run(tmp_path / "c", "trainer.total_steps=3", nproc=2)
+    run(tmp_path / "s", "trainer.total_steps=3", *SPLIT, nproc=3)
+    a, b = metrics(tmp_path / "c"), metrics(tmp_path / "s")
+    assert_same_steps(a, b, [1, 2, 3])
+    assert all(b[s]["rollout/staleness"] == 0 and b[s]["sync/weight_version"] == s - 1 for s in b)
+    for s in (1, 2, 3):
+        assert _rollouts(tmp_path / "c", s) == _rollouts(tmp_path / "s", s)
+    assert "time/generator_s" in json.loads((tmp_path / "s" / "metrics.jsonl").read_text().splitlines()[0])
+
+
+@pytest.mark.e2e
+def test_one_step_stale_preempted_then_resumed_is_the_uninterrupted_run(tmp_path):
+    """max_staleness 1: step n trains on rollouts of the weights of step n-2 (step 1 and 2 on the initial ones). A
+    preemption at step 3 saves it with step 4's rollouts, already sampled; the resumed run trains on those, so it logs
+    the uninterrupted run's steps. A colocated resume of that checkpoint is refused, naming what it holds."""
+    stale = [*SPLIT, "rollout.max_staleness=1"]
+    run(tmp_path / "u", *stale, nproc=3)
+    ref = metrics(tmp_path / "u")
+    assert [ref[s]["sync/weight_version"] for s in (1, 2, 3, 4)] == [0, 0, 1, 2]
+    assert [ref[s]["rollout/staleness"] for s in (1, 2, 3, 4)] == [0, 1, 1, 1]
+
+    out = tmp_path / "p"
+    r = run(out, *stale, nproc=3, env={**ENV, "GAPO_FAULT": "signal:3"}, ok=False)
+    assert r.returncode == 75, r.stderr[-3000:]
+    saved = out / "checkpoints" / "step_000003"
+    assert json.loads((saved / "trainer.json").read_text())["in_flight"] == [4]
+    for args, nproc, needle in [((), 2, "holds the rollouts of steps [4]"),
+                                 ((*SPLIT, "rollout.max_staleness=2"), 3, "with rollout.max_staleness=1: resume")]:
+        refused = run(tmp_path / "x", *args, nproc=nproc, resume=saved, ok=False)
+        assert refused.returncode == 2 and needle in refused.stderr, refused.stderr[-3000:]
+    run(out, *stale, "--resume", "auto", nproc=3)
+    assert_same_steps(ref, metrics(out), [1, 2, 3, 4])
+    assert _rollouts(tmp_path / "u", 4) == _rollouts(out, 4)
+
+
+@pytest.mark.e2e
+def test_a_dead_generator_ends_the_run_at_once_saying_which(tmp_path):
+    out = tmp_path / "d"
+    proc = subprocess.Popen(cmd(out, "trainer.total_steps=40", *SPLIT, "rollout.max_staleness=1", nproc=3),
+                            cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    _wait_for_step(out, 3, proc)
+    pids = _pids_of(out)
+    assert sorted(pids) == [0, 1, 2], pids
+    tic = time.time()
+    os.kill(pids[2], signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)
+    assert time.time() - tic < 60 and proc.returncode not in (0, 75)
+    assert f"rank 2 (pid {pids[2]}) died: killed by SIGKILL" in err, err[-3000:]
+    assert f"the last checkpoint is {out / 'checkpoints' / 'step_000002'}" in err
+    assert Path(out / "checkpoints" / "step_000002" / "in_flight_rank0.pt").is_file()
