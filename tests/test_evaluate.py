@@ -391,3 +391,33 @@ def test_each_run_is_evaluated_with_its_own_seed_unless_one_is_given(tmp_path):
     assert [job[2] for r in runs.values() for job in run_jobs(default, r)] == [0, 3]
     pinned = parser().parse_args(["--run", str(runs[3]), "--benchmarks", "arithmetic", "--seed", "7"])
     assert [job[2] for job in run_jobs(pinned, runs[3])] == [7]
+
+
+def test_a_run_is_scored_with_its_own_instruction_and_rewarder_settings(tmp_path):
+    """The demo trains with its own instruction and reward.math_last_number_fallback; evaluated with the benchmark's
+    default prompt and a strict rewarder its step-8 checkpoint scored 0.25 % where its validation during training
+    (same weights) gave 27.5 %. A run is evaluated as it was validated, unless --instruction says otherwise."""
+    import yaml
+
+    from gapo import rundir
+    from gapo.config import ConfigError
+    from gapo.study.evaluate import parser, run_jobs
+
+    ckpt = tmp_path / "run" / rundir.CHECKPOINTS / "step_000002"
+    ckpt.mkdir(parents=True)
+    (ckpt / rundir.STATE).write_text("{}")
+    (ckpt / rundir.CONFIG).write_text(yaml.safe_dump({
+        "model": {"dtype": "float32"}, "trainer": {"seed": 0}, "data": {"instruction": "Box it."},
+        "eval": {"instruction": "Box it."}, "reward": {"math_last_number_fallback": True}}))
+    [job] = run_jobs(parser().parse_args(["--run", str(tmp_path / "run"), "--benchmarks", "arithmetic"]),
+                     tmp_path / "run")
+    assert job.instruction == "Box it." and job.reward.math_last_number_fallback and job.reward.num_workers == 2
+    [job] = run_jobs(parser().parse_args(["--run", str(tmp_path / "run"), "--benchmarks", "arithmetic",
+                                          "--instruction", "Answer."]), tmp_path / "run")
+    assert job.instruction == "Answer."
+    # A result evaluated under other settings (the old default prompt) is not taken for this one.
+    out = tmp_path / "run" / rundir.EVAL / "custom" / "step_000002"
+    out.mkdir(parents=True)
+    (out / "results.json").write_text(json.dumps({"meta": {"settings": {"instruction": None}}}))
+    with pytest.raises(ConfigError, match="was evaluated with other settings"):
+        run_jobs(parser().parse_args(["--run", str(tmp_path / "run"), "--benchmarks", "arithmetic"]), tmp_path / "run")

@@ -14,6 +14,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import yaml
 
@@ -158,8 +159,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             model_dir, jobs = resolve_eval_model(args.model), []
             done = Path(args.out) / "results.json" if args.out else None
+            reward = RewardConfig(num_workers=args.workers)
             if done and done.is_file() and json.loads(done.read_text())["meta"].get("settings") == \
-                    settings(args, args.seed or 0):
+                    settings(args, args.seed or 0, args.instruction, reward):
                 print(f"gapo-eval: {done} holds this evaluation already", file=sys.stderr)
                 return 0
         benches = [load_benchmark(s.strip(), args.limit) for s in args.benchmarks.split(",") if s.strip()]
@@ -177,30 +179,40 @@ def main(argv: list[str] | None = None) -> int:
     engine = build_engine(args.engine, str(model_dir), dtype=args.dtype or "bfloat16", seed=args.seed or 0,
                           max_model_len=min(max_pos, 4096 + args.max_new_tokens), compile=args.compile)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    for i, (out, hf, seed) in enumerate(jobs or [(Path(args.out) if args.out else None, model_dir, args.seed or 0)]):
+    alone = Job(Path(args.out) if args.out else None, model_dir, args.seed or 0, args.instruction,
+                RewardConfig(num_workers=args.workers))
+    for i, (out, hf, seed, instruction, reward) in enumerate(jobs or [alone]):
         if i:  # the next checkpoint of the run: its weights into the same engine, as training pushes them
             engine.push_weights(checkpoint_weights(hf), version=i)
         results = evaluate(engine, tokenizer, benches, n=args.n, temperature=args.temperature, top_p=args.top_p,
-                           max_new_tokens=args.max_new_tokens, instruction=args.instruction,
-                           reward=RewardConfig(num_workers=args.workers), seed=seed)
+                           max_new_tokens=args.max_new_tokens, instruction=instruction, reward=reward, seed=seed)
         print(f"{hf}:\n{table(results)}" if jobs else table(results))
         if out is not None:
-            write_results(results, out, {**vars(args), "seed": seed, "model": str(hf),
-                                         "settings": settings(args, seed)})
+            write_results(results, out, {**vars(args), "seed": seed, "instruction": instruction, "model": str(hf),
+                                         "settings": settings(args, seed, instruction, reward)})
             print(f"wrote {out}/results.json and per_problem.jsonl")
     leave_distributed()
     return 0
 
 
-def settings(args: argparse.Namespace, seed: int) -> dict:
+def settings(args: argparse.Namespace, seed: int, instruction: str | None, reward: RewardConfig) -> dict:
     """What makes two evaluations of one checkpoint the same: a rerun with these skips the step."""
-    return {**{k: getattr(args, k) for k in ("benchmarks", "n", "temperature", "top_p", "max_new_tokens", "limit",
-                                             "instruction")}, "seed": seed}
+    return {**{k: getattr(args, k) for k in ("benchmarks", "n", "temperature", "top_p", "max_new_tokens", "limit")},
+            "instruction": instruction, "seed": seed, "reward": reward.model_dump(exclude={"num_workers"})}
 
 
-def run_jobs(args: argparse.Namespace, run: Path) -> list[tuple[Path, Path, int]]:
-    """(results directory, hf model, sampling seed) for each requested checkpoint of a run still to evaluate, in
-    step order."""
+class Job(NamedTuple):
+    out: Path | None  # results directory
+    hf: Path  # the model
+    seed: int  # sampling seed
+    instruction: str | None  # appended to each problem (None: the benchmark kind's)
+    reward: RewardConfig
+
+
+def run_jobs(args: argparse.Namespace, run: Path) -> list[Job]:
+    """Each requested checkpoint of a run still to evaluate, in step order. The prompt's instruction and the
+    rewarder's settings (reward.math_last_number_fallback, ...) are the run's own, as its validation during training
+    used them, unless --instruction is given: a run is scored the way it was trained to answer."""
     found = rundir.checkpoints(run)
     if not found:
         raise ConfigError(f"--run {run}: no complete checkpoint in {run / rundir.CHECKPOINTS}")
@@ -222,6 +234,9 @@ def run_jobs(args: argparse.Namespace, run: Path) -> list[tuple[Path, Path, int]
     if args.dtype is None:
         args.dtype = saved["model"]["dtype"]
     seed = args.seed if args.seed is not None else int(saved["trainer"]["seed"])
+    instruction = args.instruction if args.instruction is not None else (
+        (saved.get("eval") or {}).get("instruction") or (saved.get("data") or {}).get("instruction"))
+    reward = RewardConfig(**{**(saved.get("reward") or {}), "num_workers": args.workers})
     name = args.name or (Path(args.protocol).stem if args.protocol else "custom")
     jobs = []
     for step in steps:
@@ -229,11 +244,11 @@ def run_jobs(args: argparse.Namespace, run: Path) -> list[tuple[Path, Path, int]
         done = out / "results.json"
         if done.is_file():
             had = json.loads(done.read_text())["meta"].get("settings")
-            if had == settings(args, seed):
+            if had == settings(args, seed, instruction, reward):
                 continue
             raise ConfigError(f"{done} was evaluated with other settings ({had}); give --name to keep both, or "
                               "remove it to evaluate again")
-        jobs.append((out, found[step] / "hf", seed))
+        jobs.append(Job(out, found[step] / "hf", seed, instruction, reward))
     return jobs
 
 
