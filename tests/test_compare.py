@@ -128,14 +128,14 @@ def test_report_cells_and_figures(seeds, tmp_path, capsys):
     assert f"| gapo vs gspo | +{100 * (0.3125 - gspo_mean):.2f}{stars} (p = {p:.2g}) |" in val
     assert "At step 10 " in md
     # Training window 3..8: c = 1 clips at 2 of the 6 steps for every seed, of 4 + seed units each step.
-    # A fraction's interval: Student-t on the logit of each seed's (clipped + 0.5) / (units + 1), mapped back.
-    fracs = [2 / (6 * (4 + s)) for s in range(3)]
-    z = [math.log(p / (1 - p)) for p in (2.5 / (6 * (4 + s) + 1) for s in range(3))]
-    zm = sum(z) / 3
-    h = T_975_DF2 * math.sqrt(sum((x - zm) ** 2 for x in z) / 2) / math.sqrt(3)
+    # Per c: the pooled fraction (6 clips in 90 decisions) and its seed-clustered standard error, Student-t on
+    # the logit scale: Var = n/(n-1) sum (e_i - p u_i)^2 / U^2, half-width t * se / (p (1 - p)), mapped back.
+    units = [6 * (4 + s) for s in range(3)]
+    centre = 6 / sum(units)
+    se = math.sqrt(3 / 2 * sum((2 - centre * u) ** 2 for u in units)) / sum(units)
+    zm, h = math.log(centre / (1 - centre)), T_975_DF2 * se / (centre * (1 - centre))
     lo, hi = (1 / (1 + math.exp(-(zm + d))) for d in (-h, h))
-    centre = 1 / (1 + math.exp(-zm))
-    assert lo < centre < hi and abs(centre - sum(fracs) / 3) < 0.02  # the centre is its interval's, not the plain mean
+    assert lo < centre < hi
     assert f"{centre:.4g} [{lo:.4g}, {hi:.4g}] (n = 3)" in md
     # the pooled counts: c = 1 is low c (k = 4); the same clips per seed on both sides: odds ratio 1, no difference
     pooled = md.split("## Clip counts pooled over seeds")[1]
@@ -250,3 +250,25 @@ def test_cmh_on_one_stratum_by_hand_and_on_identical_arms():
     odds, chi2, p = cmh([(3, 30, 3, 30), (5, 20, 5, 20)])
     assert odds == pytest.approx(1.0) and chi2 == 0.0 and p == 1.0
     assert all(math.isnan(x) for x in cmh([(0, 10, 0, 12)]))  # no clip anywhere: nothing to test
+
+
+def test_a_clip_fraction_per_c_is_pooled_over_seeds_with_a_seed_clustered_interval():
+    """1 clip in 25 decisions, 4 of 5 seeds at 0: a per-seed continuity-corrected logit drew it as 0.11 [0.06, 0.21],
+    excluding both 0 and its own pooled value. The pooled fraction is 1/25; by hand, the clustered variance is
+    5/4 * ((1 - 0.2)^2 + 4 * 0.2^2) / 25^2 = 0.0016, se 0.04, and on the logit scale the half-width is
+    t(0.975, 4) * 0.04 / (0.04 * 0.96)."""
+    from scipy import stats
+
+    from gapo.study.compare import ProportionEstimate
+
+    counts = ((1, 5), (0, 5), (0, 5), (0, 5), (0, 5))
+    e = ProportionEstimate(tuple(c / u for c, u in counts), counts=counts)
+    assert e.centre == pytest.approx(0.04)
+    h = stats.t.ppf(0.975, 4) * 0.04 / (0.04 * 0.96)
+    mid = math.log(0.04 / 0.96)
+    lo, hi = e.interval()
+    assert (lo, hi) == pytest.approx((1 / (1 + math.exp(-(mid - h))), 1 / (1 + math.exp(-(mid + h)))))
+    assert 0 < lo < 0.01 and 0.04 < hi < 0.5
+    # Seeds with different numbers of decisions weigh by their decisions, not one vote each.
+    e = ProportionEstimate((1.0, 0.0), counts=((1, 1), (0, 99)))
+    assert e.centre == pytest.approx(0.01)

@@ -98,9 +98,14 @@ class ProportionEstimate(Estimate):
     the logit scale over seeds, mapped back, around its own centre (the back-transformed mean logit), so the centre
     is inside it by construction. With three seeds the plain t-interval reached 1.75 on a fraction; this one keeps
     the between-seed spread (a pooled Wilson interval would treat every rollout of every seed as independent and
-    look far too sure) and is asymmetric near 0 and 1. `counts` (events, units) per seed, when known, give each
-    seed's fraction a 0.5 continuity correction; without them fractions are held within [1e-3, 1 - 1e-3]. Seeds
-    that all agree give the value itself with a zero-width interval (no spread to estimate), exact at 0 and 1.
+    look far too sure) and is asymmetric near 0 and 1; fractions are held within [1e-3, 1 - 1e-3]. Seeds that all
+    agree give the value itself with a zero-width interval (no spread to estimate), exact at 0 and 1.
+
+    With `counts` (events, units) per seed (the clip fractions per c) the centre is the pooled fraction, sum of
+    events over sum of units, the number the pooled count tables show, and the interval is that ratio's
+    seed-clustered (sandwich) standard error, Student-t with df = n - 1 on the logit scale. A per-seed logit needs
+    a continuity correction, and at 2-7 decisions per seed that correction was the estimate: 1 clip in 25
+    decisions over 5 seeds was drawn as 0.11 [0.06, 0.21], excluding both 0 and its own pooled 0.04.
 
     Why not a bootstrap over seeds (scipy.stats.bootstrap): with 3-5 seeds it has at most a few dozen distinct
     resamples and its percentile interval is too narrow; the t-interval's df = n - 1 pays for the few seeds."""
@@ -108,11 +113,14 @@ class ProportionEstimate(Estimate):
     counts: tuple[tuple[float, float], ...] = ()
 
     def _logits(self) -> np.ndarray:
-        if self.counts:
-            p = np.array([(c + 0.5) / (u + 1.0) for c, u in self.counts])
-        else:
-            p = np.clip(np.asarray(self.values, dtype=float), 1e-3, 1 - 1e-3)
+        p = np.clip(np.asarray(self.values, dtype=float), 1e-3, 1 - 1e-3)
         return np.log(p / (1 - p))
+
+    def _pooled(self) -> tuple[float, float]:
+        """The pooled fraction and its seed-clustered standard error: Var = n/(n-1) sum_i (e_i - p u_i)^2 / U^2."""
+        e, u = (np.array(x, dtype=float) for x in zip(*self.counts, strict=True))
+        p, n = e.sum() / u.sum(), len(u)
+        return float(p), float(math.sqrt(n / (n - 1) * ((e - p * u) ** 2).sum()) / u.sum())
 
     @property
     def constant(self) -> bool:
@@ -124,6 +132,8 @@ class ProportionEstimate(Estimate):
             return float("nan")
         if self.n == 1 or self.constant:
             return float(self.values[0])
+        if self.counts:
+            return self._pooled()[0]
         return float(1 / (1 + math.exp(-self._logits().mean())))
 
     def interval(self, level: float = LEVEL) -> tuple[float, float]:
@@ -131,9 +141,16 @@ class ProportionEstimate(Estimate):
             return float("nan"), float("nan")
         if self.constant:
             return self.centre, self.centre
-        z = self._logits()
-        h = stats.t.ppf((1 + level) / 2, len(z) - 1) * z.std(ddof=1) / math.sqrt(len(z))
-        lo, hi = z.mean() - h, z.mean() + h
+        t = stats.t.ppf((1 + level) / 2, self.n - 1)
+        if self.counts:  # the delta method: d logit(p) / dp = 1 / (p (1 - p))
+            p, se = self._pooled()
+            if p in (0.0, 1.0):  # every decision of every seed went one way (seeds with no units differ)
+                return p, p
+            mid, h = math.log(p / (1 - p)), t * se / (p * (1 - p))
+        else:
+            z = self._logits()
+            mid, h = z.mean(), t * z.std(ddof=1) / math.sqrt(len(z))
+        lo, hi = mid - h, mid + h
         return float(1 / (1 + math.exp(-lo))), float(1 / (1 + math.exp(-hi)))
 
 
@@ -459,11 +476,11 @@ def fig_clip_vs_c(groups: dict[str, list[Run]], window: Window) -> Figure | None
     ax.set_xticks(cs)
     ax.set_xlim(cs[0] - 0.5, cs[-1] + 0.5)
     ax.set_xlabel("c (correct rollouts in the group)")
-    ax.set_ylabel("clip fraction, per seed from summed counts")
+    ax.set_ylabel("clip fraction (clipped / decisions, all seeds)")
     ax.set_ylim(0, 1.02)
     ax.set_title(f"off-policy updates, {window_text(window)}", fontsize=10)
     return finish(fig, _legend_runs(groups), f"Clip fraction of correct rollouts against c (paper Fig. 3)\n"
-                   f"(centre and {LEVEL:.0%} CI over seeds: Student-t on the logit scale, within [0, 1])",
+                   f"(pooled over seeds; {LEVEL:.0%} CI: seed-clustered, Student-t on the logit scale, within [0, 1])",
                    step_axis=False)
 
 
@@ -506,7 +523,9 @@ def write_report(out: Path, groups: dict[str, list[Run]], window: Window = ALL_S
     lines = ["# gapo-compare", "",
              f"A fraction (pass@1, a clip fraction) shows its centre over a label's seeds and a {LEVEL:.0%} interval "
              "[low, high]: Student-t on the logit scale (df = seeds − 1), mapped back, so both stay within [0, 1]; "
-             "seeds that all agree show their value and a zero-width interval. Other metrics show mean ± the "
+             "seeds that all agree show their value and a zero-width interval. A clip fraction per c shows the pooled "
+             "fraction (clipped over decisions, summed over seeds) with a seed-clustered interval on the same scale. "
+             "Other metrics show mean ± the "
              "Student-t half-width, as in the paper's Table 6. n is the number of seeds with a value. Δ is the "
              "first label's mean minus the second's, with the two-sided p-value of Welch's t-test (unequal "
              "variances, unpaired) as in Table 7: * p < 0.05, ** p < 0.01, *** p < 0.001; where the test is "
