@@ -2,7 +2,7 @@
 one run, and a timing model that turns phase times into a predicted GPU speed-up for each paper config.
 
     .venv/bin/python bench/split_vs_colocated.py [--steps 8] [--work DIR]      # about 25 min on a 2-core Zen 4
-    .venv/bin/python bench/split_vs_colocated.py --model-only                  # the GPU prediction alone, instant
+    .venv/bin/python bench/split_vs_colocated.py --model-only [--mean-frac 0.5]  # the GPU prediction alone, instant
 
 The three arms are `gapo-train --config configs/demo_cpu.yaml` with the same seed, prompts and batch (8 prompts x 8),
 no validation, and the old-log-prob pass in all of them (`rollout.use_engine_logprobs=false`, which staleness needs):
@@ -84,14 +84,15 @@ def run_arm(work: Path, name: str, nproc: int, overrides: list[str], steps: int)
     return result
 
 
-def gen_seconds(facts: dict, gpu: str, g: int, rollouts: int, max_new: int, util: float) -> float:
+def gen_seconds(facts: dict, gpu: str, g: int, rollouts: int, max_new: int, util: float,
+                mean_frac: float) -> float:
     """Generation time of one step on g data-parallel engines (bf16 weights and KV cache), each with `util` of its
     GPU's memory."""
     from gapo.memory import VLLM_RESERVE, kv_bytes_per_token, param_count
 
     flops, bw, mem = GPUS[gpu]
     params, kvb = param_count(facts), kv_bytes_per_token(facts, 2)
-    per_engine, mean = rollouts / g, MEAN_FRAC * max_new
+    per_engine, mean = rollouts / g, mean_frac * max_new
     at_once = max((util * mem - 2 * params - VLLM_RESERVE) / (kvb * (PROMPT_TOKENS + mean)), 1.0)
     waves = math.ceil(per_engine / at_once)
     weights = 2 * params * (max_new + (waves - 1) * mean)                # one read per decode step
@@ -100,19 +101,30 @@ def gen_seconds(facts: dict, gpu: str, g: int, rollouts: int, max_new: int, util
     return max((weights + kv) / (bw * DECODE_BW_EFF), compute / (flops * DECODE_MFU))
 
 
-def train_seconds(facts: dict, gpu: str, n: int, rollouts: int, max_new: int, epochs: int, old_pass: bool) -> float:
+def train_seconds(facts: dict, gpu: str, n: int, rollouts: int, max_new: int, epochs: int, old_pass: bool,
+                  mean_frac: float) -> float:
     from gapo.memory import param_count
 
-    tokens = rollouts * (PROMPT_TOKENS + MEAN_FRAC * max_new)
+    tokens = rollouts * (PROMPT_TOKENS + mean_frac * max_new)
     return (2 * old_pass + 6 * epochs) * param_count(facts) * tokens / (n * GPUS[gpu][0] * MFU_TRAIN)
 
 
-def predict() -> None:
+def divides(cfg, trainers: int) -> bool:
+    from gapo.config import ConfigError
+
+    try:
+        cfg.shape(trainers)
+    except ConfigError:
+        return False
+    return True
+
+
+def predict(mean_frac: float = MEAN_FRAC) -> None:
     from gapo.config import load_config
     from gapo.models import model_facts
 
     print(f"\nPREDICTED GPU step times (a roofline model, not a measurement; 1 node x {NODE_GPUS} GPUs): "
-          f"MFU_TRAIN {MFU_TRAIN}, decode at {DECODE_BW_EFF:.0%} of HBM bandwidth, mean response {MEAN_FRAC:.0%} of "
+          f"MFU_TRAIN {MFU_TRAIN}, decode at {DECODE_BW_EFF:.0%} of HBM bandwidth, mean response {mean_frac:.0%} of "
           f"max_new_tokens, prompts {PROMPT_TOKENS} tokens, push {PUSH_S:g} s, a generator's vLLM share {SPLIT_UTIL}")
     print(f"{'config':<17}{'GPU':<6}{'gen s':>7}{'train s':>9}{'colocated':>11}{'g':>3}{'split k=0':>11}"
           f"{'split k=1':>11}{'speed-up k=1':>14}")
@@ -121,20 +133,24 @@ def predict() -> None:
         facts = model_facts(cfg.model.path)
         r, t = cfg.rollout, cfg.trainer
         rollouts = r.prompts_per_step * r.group_size
+        # the generator counts whose training ranks divide the batch (cfg.shape refuses the others)
+        splits = [g for g in range(1, NODE_GPUS) if divides(cfg, NODE_GPUS - g)]
         for gpu in GPUS:
             # seconds per step with n GPUs: generating (split: a whole GPU's memory each), training
-            gen = {n: gen_seconds(facts, gpu, n, rollouts, r.max_new_tokens, SPLIT_UTIL) for n in range(1, NODE_GPUS)}
+            gen = {n: gen_seconds(facts, gpu, n, rollouts, r.max_new_tokens, SPLIT_UTIL, mean_frac) for n in splits}
             train = {n: train_seconds(facts, gpu, n, rollouts, r.max_new_tokens, t.ppo_epochs,
-                                      not r.use_engine_logprobs) for n in range(1, NODE_GPUS + 1)}
-            gen_col = gen_seconds(facts, gpu, NODE_GPUS, rollouts, r.max_new_tokens, r.gpu_memory_utilization)
+                                      not r.use_engine_logprobs, mean_frac) for n in range(1, NODE_GPUS + 1)}
+            gen_col = gen_seconds(facts, gpu, NODE_GPUS, rollouts, r.max_new_tokens, r.gpu_memory_utilization,
+                                  mean_frac)
             colocated = gen_col + train[NODE_GPUS] + PUSH_S
             g = min(gen, key=lambda g: max(gen[g], train[NODE_GPUS - g] + PUSH_S))
             k0 = gen[g] + train[NODE_GPUS - g] + PUSH_S
             k1 = max(gen[g], train[NODE_GPUS - g] + PUSH_S)
             print(f"{name:<17}{gpu:<6}{gen_col:>7.0f}{train[NODE_GPUS]:>9.0f}{colocated:>11.0f}{g:>3}"
                   f"{k0:>11.0f}{k1:>11.0f}{colocated / k1:>13.2f}x")
-    print("gen s / train s: colocated phases on all 8 GPUs; g: generator GPUs of the split (the rest train). Split at "
-          "k=0 is slower than colocated (each side has fewer GPUs and they take turns); k=1 overlaps them.")
+    print("gen s / train s: colocated phases on all 8 GPUs; g: generator GPUs of the split (the rest train; only "
+          "counts whose training ranks divide the batch). Split at k=0 is slower than colocated (each side has fewer "
+          "GPUs and they take turns); k=1 overlaps them.")
 
 
 def main() -> None:
@@ -142,9 +158,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--work", type=Path, help="keep the runs here (default: a temporary folder)")
     ap.add_argument("--model-only", action="store_true", help="print the GPU prediction only (no runs)")
+    ap.add_argument("--mean-frac", type=float, default=MEAN_FRAC,
+                    help="the model's mean response length as a fraction of max_new_tokens")
     args = ap.parse_args()
     if args.model_only:
-        predict()
+        predict(args.mean_frac)
         return
     print(cpu_line(), flush=True)
     work = args.work or Path(tempfile.mkdtemp(prefix="gapo-split-bench-"))
@@ -170,7 +188,7 @@ def main() -> None:
     print(f"the model on this CPU's split k=1 phases: max(generator, old_logprob + train + push) = {overlap:.1f} s "
           f"against {wall['split k=1']:.1f} s measured (the sides share 2 cores, so each phase is slower overlapped "
           "than alone, and the sum is what a CPU gets)")
-    predict()
+    predict(args.mean_frac)
     print(f"runs: {work}")
 
 

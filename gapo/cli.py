@@ -51,13 +51,18 @@ def train_main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"gapo-train: {err}", file=sys.stderr)
         return 2
+    trainers = args.nproc - cfg.rollout.generator_ranks  # the ranks a memory plan is for (split: not the engines')
+    if trainers < 1:
+        print(f"gapo-train: rollout.generator_ranks={cfg.rollout.generator_ranks} of --nproc {args.nproc} leaves no "
+              "training rank; expected fewer generator ranks than --nproc", file=sys.stderr)
+        return 2
     if args.print_config:
         from gapo.memory import plan_text
 
         # The plan may build a built-in model first, and the libraries that loads print to stdout (DeepSpeed's
         # "Setting accelerator to CPU" on a fresh machine): stdout carries only the config, or it would not parse.
         with contextlib.redirect_stdout(sys.stderr):
-            text, _ = plan_text(cfg, args.nproc, None)
+            text, _ = plan_text(cfg, trainers, None)
         sys.stdout.write(dump_config(cfg, comments=True))
         # As YAML comments, so the output stays a config file.
         sys.stdout.write("".join(f"# {line}\n" for line in text.splitlines()))
@@ -72,8 +77,8 @@ def train_main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
         with contextlib.redirect_stdout(sys.stderr):  # libraries that a built-in model loads print to stdout
-            table = offload_table(cfg, args.nproc, sizes)
-            own = [plan_text(cfg, args.nproc, g)[0] for g in sizes]
+            table = offload_table(cfg, trainers, sizes)
+            own = [plan_text(cfg, trainers, g)[0] for g in sizes]
         print(table)
         for g, text in zip(sizes, own, strict=True):
             print(f"\nThis config on a {g:g} GB GPU:\n{text}")

@@ -231,12 +231,16 @@ def micro_batch_shape(cfg: Config) -> tuple[int, int]:
 
 def memory_plan(cfg: Config, facts: dict, world: int, device_gb: float = 80.0) -> MemoryPlan:
     """The per-GPU plan of `cfg` for the model described by `facts` (gapo.models.model_facts) on `world`
-    ranks of `device_gb` GiB each, for the vLLM engine (the GPU path)."""
+    training ranks of `device_gb` GiB each, for the vLLM engine (the GPU path). With split placement it is a
+    training rank's plan: vLLM runs on the generator ranks, each with a GPU of its own and nothing else on it."""
     r, d, m = cfg.rollout, cfg.data, cfg.model
     b = DTYPE_BYTES[m.dtype]
     params = param_count(facts)
     weights = params * b
-    if r.kv_cache_gb:
+    split = r.placement == "split"
+    if split:
+        kv_given = 0
+    elif r.kv_cache_gb:
         kv_given = int(r.kv_cache_gb * GiB)
     else:
         kv_given = max(0, int(r.gpu_memory_utilization * device_gb * GiB) - weights - VLLM_RESERVE)
@@ -258,9 +262,9 @@ def memory_plan(cfg: Config, facts: dict, world: int, device_gb: float = 80.0) -
     _, _, _, _, _, _, vocab = _shape(facts)
     return MemoryPlan(
         params=params, dtype=m.dtype, zero_stage=stage, world=world, micro_batch_tokens=tokens,
-        sleep=r.sleep_between_steps, vllm_weights=weights, vllm_reserve=VLLM_RESERVE, kv_cache_given=kv_given,
-        kv_cache_needed=cfg.shape(world).rollouts * seq_len * per_token,
-        kv_one_sequence=max_model_len * per_token,
+        sleep=r.sleep_between_steps, vllm_weights=0 if split else weights, vllm_reserve=0 if split else VLLM_RESERVE,
+        kv_cache_given=kv_given, kv_cache_needed=0 if split else cfg.shape(world).rollouts * seq_len * per_token,
+        kv_one_sequence=0 if split else max_model_len * per_token,
         # A KL penalty keeps a frozen reference copy of the weights, partitioned like the actor's.
         trainer_states=states
         + (math.ceil(weights / (world if stage == 3 else 1)) if cfg.algorithm.kl_coef > 0 else 0),
@@ -290,10 +294,14 @@ def format_plan(plan: MemoryPlan, device_gb: float) -> str:
     need = gb(plan.kv_cache_needed).strip()
     kv_note = (f"step needs {need}: vLLM will preempt / run in waves" if plan.waves
                else f"step needs {need}: all at once")
-    rows = [
+    split = plan.kv_one_sequence == 0  # (memory_plan: a split placement's training rank runs no engine)
+    engine = [] if split else [
         (f"vLLM weights ({plan.dtype})", plan.vllm_weights, ""),
         ("vLLM profile/graphs reserve", plan.vllm_reserve, ""),
         ("vLLM KV cache", plan.kv_cache_given, kv_note),
+    ]
+    rows = [
+        *engine,
         (f"trainer states (ZeRO-{plan.zero_stage} / {plan.world})", plan.trainer_states,
          f"{plan.params / 1e9:.2f} B params"),
         ("activations", plan.activations, f"{plan.micro_batch_tokens:,} tokens per micro-batch"),
@@ -304,6 +312,8 @@ def format_plan(plan: MemoryPlan, device_gb: float) -> str:
         ("CUDA / NCCL / ZeRO overhead", plan.overhead, ""),
     ]
     lines = [f"  {name:<32}{gb(x)}  {note}".rstrip() for name, x, note in rows]
+    if split:
+        lines.insert(0, "  (split placement: a training rank's plan; vLLM runs on the generator ranks)")
     if plan.host_states:
         lines.append(f"  {'(offloaded to host memory)':<32}{gb(plan.host_states)}  per rank, not on the GPU")
     rule = "  " + "-" * 40
@@ -330,7 +340,8 @@ def plan_text(cfg: Config, world: int, device_gb: float | None) -> tuple[str, bo
         return f"No memory plan: no config.json for {cfg.model.path} (local, hub cache or known models).", True
     size = device_gb or 80.0
     plan = memory_plan(cfg, facts, world, size)
-    where = (f"{world} ranks" if world > 1 else "1 rank") + ("" if device_gb else ", for an 80 GB GPU (none here)")
+    where = (f"{world} training ranks" if world > 1 else "1 training rank") \
+        + ("" if device_gb else ", for an 80 GB GPU (none here)")
     return f"{format_plan(plan, size)}\n  ({cfg.model.path}, {where})", plan.fits(size)
 
 

@@ -184,3 +184,25 @@ def test_zero3_buffers_are_planned():
     assert zero_buffer_bytes(p, zero_stage=0, world=1) == {"reduce_bucket": 0, "zero_buffers": 0}
     assert memory_plan(cfg, QWEN, world=1).reduce_bucket == memory_plan(cfg, QWEN, world=1).zero_buffers == 0
 
+
+
+def test_a_split_training_rank_is_planned_without_an_engine(capsys):
+    """Split placement: vLLM runs on the generator ranks, so a training rank's GPU holds no engine share. The plan
+    once charged every training rank gpu_memory_utilization of its GPU for vLLM and refused on GPU the runs split
+    placement is for (a helper read of the GPU path); its advice (sleep mode) is refused with split."""
+    from gapo.cli import train_main
+
+    col = memory_plan(load_config("r1_distill_math"), R1, world=4, device_gb=80)
+    cfg = load_config("r1_distill_math", ["rollout.placement=split", "rollout.generator_ranks=4"])
+    split = memory_plan(cfg, R1, world=4, device_gb=80)
+    assert split.vllm_total == 0 and split.kv_cache_needed == 0
+    assert col.total - split.total == col.vllm_total  # the same trainer, less the engine it does not run
+    text = format_plan(split, 80)
+    assert "vLLM runs on the generator ranks" in text and "vLLM KV cache" not in text
+    # --plan plans the training ranks: 8 - 4 generator ranks
+    assert train_main(["--config", "r1_distill_math", "--nproc", "8", "--plan", "80", "rollout.placement=split",
+                       "rollout.generator_ranks=4"]) == 0
+    assert "4 training ranks" in capsys.readouterr().out
+    assert train_main(["--config", "r1_distill_math", "--nproc", "2", "--plan", "80", "rollout.placement=split",
+                       "rollout.generator_ranks=2"]) == 2
+    assert "leaves no training rank" in capsys.readouterr().err

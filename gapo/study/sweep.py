@@ -583,7 +583,7 @@ def budget(m: Manifest, js: list[Job]) -> str:
             lines.append(f"  {j.run.name} seed {j.seed}: no config.json for {cfg.model.path}: no estimate")
             continue
         gpus = m.nproc * m.nodes
-        plan = memory_plan(cfg, facts, gpus)
+        plan = memory_plan(cfg, facts, gpus - cfg.rollout.generator_ranks)  # the training ranks' plan
         r, t = cfg.rollout, cfg.trainer
         tokens = r.prompts_per_step * r.group_size * (cfg.data.max_prompt_tokens / 2 + r.max_new_tokens / 2)
         p = param_count(facts)

@@ -206,6 +206,21 @@ class Actor:
         # The Hugging Face model inside the engine (its parameter names, save_pretrained); with LoRA its targeted
         # linear layers are PEFT's (base_layer + lora_A/lora_B), see pushed_names.
         self.module = model
+        if cfg.model.lora is not None:
+            # A LoRA checkpoint leaves the frozen base out (checkpoint.save: exclude_frozen_parameters), but DeepSpeed
+            # finds frozen tensors by named_parameters(), which names a tied weight once: the tied head's alias
+            # (lm_head.weight, the whole embedding matrix) stayed in, 113 of the demo's 133 MB of module state
+            # (deepspeed 0.19.8 runtime/engine.py, module_state_dict). Every name of a frozen tensor goes here.
+            frozen = [n for n, p in self.engine.module.named_parameters(remove_duplicate=False) if not p.requires_grad]
+            deepspeed_state_dict = self.engine.module_state_dict
+
+            def state_dict_without_frozen(*args, exclude_frozen_parameters: bool = False, **kwargs) -> dict:
+                sd = deepspeed_state_dict(*args, exclude_frozen_parameters=exclude_frozen_parameters, **kwargs)
+                for name in frozen if exclude_frozen_parameters else ():
+                    sd.pop(name, None)
+                return sd
+
+            self.engine.module_state_dict = state_dict_without_frozen
         self._stage0_norm: float | None = None
         self.device = self.engine.device  # micro-batches go here (cuda:LOCAL_RANK on GPU, cpu on CPU)
         self.ref_engine = None

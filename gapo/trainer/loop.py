@@ -142,9 +142,10 @@ def setup(cfg: Config, rank: int, world: int) -> Setup:
                  if torch.cuda.is_available() else None)
     plan, fits = plan_text(cfg, world, device_gb)
     if device_gb and not fits and t.check_memory:  # GPU only; unverified here
-        raise ConfigError(f"{plan}\nThe run does not fit this GPU: set trainer.max_tokens_per_micro_batch, lower "
-                          "rollout.gpu_memory_utilization or turn on rollout.sleep_between_steps (or start anyway "
-                          "with trainer.check_memory=false: the plan is an estimate)")
+        engine = ("" if cfg.rollout.placement == "split"
+                  else ", lower rollout.gpu_memory_utilization or turn on rollout.sleep_between_steps")
+        raise ConfigError(f"{plan}\nThe run does not fit this GPU: set trainer.max_tokens_per_micro_batch{engine} "
+                          "(or start anyway with trainer.check_memory=false: the plan is an estimate)")
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / rundir.MEMORY_PLAN).write_text(plan + "\n")
