@@ -51,8 +51,10 @@ def train_main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"gapo-train: {err}", file=sys.stderr)
         return 2
-    trainers = args.nproc - cfg.rollout.generator_ranks  # the ranks a memory plan is for (split: not the engines')
-    if trainers < 1:
+    # The ranks a memory plan is for (split: not the engines'); only the plans use it: a launched rank's own
+    # arguments carry no --nproc.
+    trainers = args.nproc - cfg.rollout.generator_ranks
+    if (args.print_config or args.plan is not None) and trainers < 1:
         print(f"gapo-train: rollout.generator_ranks={cfg.rollout.generator_ranks} of --nproc {args.nproc} leaves no "
               "training rank; expected fewer generator ranks than --nproc", file=sys.stderr)
         return 2
