@@ -1,7 +1,7 @@
 """Colocated against split placement (rollout.placement) at staleness 0 and 1 on the CPU demo, side by side in
 one run, and a timing model that turns phase times into a predicted GPU speed-up for each paper config.
 
-    .venv/bin/python bench/split_vs_colocated.py [--steps 8] [--work DIR]      # about 25 min on a 2-core Zen 4
+    .venv/bin/python bench/split_vs_colocated.py [--steps 8] [--work DIR]      # 33 min on a 2-core Zen 4
     .venv/bin/python bench/split_vs_colocated.py --model-only [--mean-frac 0.5]  # the GPU prediction alone, instant
 
 The three arms are `gapo-train --config configs/demo_cpu.yaml` with the same seed, prompts and batch (8 prompts x 8),
@@ -185,9 +185,9 @@ def main() -> None:
           f"k=1 {wall['split k=1'] / wall['colocated']:.2f}")
     k1 = res["split k=1"]["phases"]
     overlap = max(k1["generator"], k1["train"] + k1["old_logprob"] + k1["weight_push"])
-    print(f"the model on this CPU's split k=1 phases: max(generator, old_logprob + train + push) = {overlap:.1f} s "
-          f"against {wall['split k=1']:.1f} s measured (the sides share 2 cores, so each phase is slower overlapped "
-          "than alone, and the sum is what a CPU gets)")
+    print(f"the model's overlap on this CPU's split k=1 phases: max(generator, old_logprob + train + push) = "
+          f"{overlap:.1f} s against {wall['split k=1']:.1f} s measured (the phases as measured while overlapped: on "
+          "shared cores each side slows the other, which is why split is slower here than colocated)")
     predict(args.mean_frac)
     print(f"runs: {work}")
 

@@ -340,7 +340,8 @@ def plan_text(cfg: Config, world: int, device_gb: float | None) -> tuple[str, bo
         return f"No memory plan: no config.json for {cfg.model.path} (local, hub cache or known models).", True
     size = device_gb or 80.0
     plan = memory_plan(cfg, facts, world, size)
-    where = (f"{world} training ranks" if world > 1 else "1 training rank") \
+    ranks = "training rank" if cfg.rollout.placement == "split" else "rank"  # (split: the generators' are not here)
+    where = (f"{world} {ranks}s" if world > 1 else f"1 {ranks}") \
         + ("" if device_gb else ", for an 80 GB GPU (none here)")
     return f"{format_plan(plan, size)}\n  ({cfg.model.path}, {where})", plan.fits(size)
 
