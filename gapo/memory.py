@@ -191,6 +191,7 @@ class MemoryPlan:
     zero_buffers: int  # at each optimizer step a flat fp32 copy of the rank's gradients and the optimizer's
     # temporary of the same size (ZeRO-2/3 on several ranks; 0 otherwise)
     overhead: int = OVERHEAD
+    split: bool = False  # split placement: a training rank's plan, no engine on its GPU
 
     @property
     def vllm_total(self) -> int:
@@ -264,7 +265,7 @@ def memory_plan(cfg: Config, facts: dict, world: int, device_gb: float = 80.0) -
         params=params, dtype=m.dtype, zero_stage=stage, world=world, micro_batch_tokens=tokens,
         sleep=r.sleep_between_steps, vllm_weights=0 if split else weights, vllm_reserve=0 if split else VLLM_RESERVE,
         kv_cache_given=kv_given, kv_cache_needed=0 if split else cfg.shape(world).rollouts * seq_len * per_token,
-        kv_one_sequence=0 if split else max_model_len * per_token,
+        kv_one_sequence=0 if split else max_model_len * per_token, split=split,
         # A KL penalty keeps a frozen reference copy of the weights, partitioned like the actor's.
         trainer_states=states
         + (math.ceil(weights / (world if stage == 3 else 1)) if cfg.algorithm.kl_coef > 0 else 0),
@@ -294,8 +295,7 @@ def format_plan(plan: MemoryPlan, device_gb: float) -> str:
     need = gb(plan.kv_cache_needed).strip()
     kv_note = (f"step needs {need}: vLLM will preempt / run in waves" if plan.waves
                else f"step needs {need}: all at once")
-    split = plan.kv_one_sequence == 0  # (memory_plan: a split placement's training rank runs no engine)
-    engine = [] if split else [
+    engine = [] if plan.split else [
         (f"vLLM weights ({plan.dtype})", plan.vllm_weights, ""),
         ("vLLM profile/graphs reserve", plan.vllm_reserve, ""),
         ("vLLM KV cache", plan.kv_cache_given, kv_note),
@@ -312,7 +312,7 @@ def format_plan(plan: MemoryPlan, device_gb: float) -> str:
         ("CUDA / NCCL / ZeRO overhead", plan.overhead, ""),
     ]
     lines = [f"  {name:<32}{gb(x)}  {note}".rstrip() for name, x, note in rows]
-    if split:
+    if plan.split:
         lines.insert(0, "  (split placement: a training rank's plan; vLLM runs on the generator ranks)")
     if plan.host_states:
         lines.append(f"  {'(offloaded to host memory)':<32}{gb(plan.host_states)}  per rank, not on the GPU")
