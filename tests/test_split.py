@@ -113,17 +113,21 @@ def test_requests_sent_ahead_keep_their_weights_and_answers_keep_their_order():
             time.sleep(0.3)
         weights = iter([("w", torch.full((3,), 2.0)), ("v", torch.ones(2))])
         receipt = remote.push_weights(weights, 1)
+        # Nothing sent before the receipt is still held: gloo's is_completed() stays False until wait(), and an
+        # outbox that trusted it kept every pushed weight tensor (a 2 + 2 demo run was OOM-killed at step 7).
+        held = len(remote.out.pending)
         c = remote.submit([[t, 3]], SAMPLING, [30 + t])
         evaluated = remote.generate([[t, 9]], SAMPLING, [90 + t])
         second, third = remote.collect(), remote.collect()
         assert [first.id, second.id, third.id] == [a, b, c]
         return ([g[0].version for x in (first, second, third) for g in x.groups], evaluated[0][0].version,
-                [g[0].text for x in (first, second, third) for g in x.groups], receipt.received)
+                [g[0].text for x in (first, second, third) for g in x.groups], receipt.received, held)
 
     results, engine, why = _bridge_job(body)
     assert why == "done"
     for t in (0, 1):
-        versions, eval_version, texts, received = results[t]
+        versions, eval_version, texts, received, held = results[t]
+        assert held == 0
         assert versions == [0, 0, 1] and eval_version == 1
         assert texts == [str(10 + t), str(20 + t), str(30 + t)]  # each trainer got its own answers, in order
         assert received == ["w", "v"]  # the same receipt on the leader and the other trainer

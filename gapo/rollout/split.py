@@ -82,7 +82,10 @@ def _wait(work, peer: int, what: str) -> None:
 class Outbox:
     """Sends that return at once. A gloo send completes only when the peer posts the matching receive, so a trainer
     that waited on each request it sends ahead would block while its generator sends it the previous answer:
-    both ends would be sending. The outbox keeps each send's tensors alive until gloo reports it done."""
+    both ends would be sending. The outbox keeps each send's tensors alive until it is done. A gloo send's
+    is_completed() stays False until wait() is called (torch 2.13), so reap() frees nothing there: each side drains
+    at a push receipt, when the protocol proves the peer has received every earlier send. Without that drain the
+    leader kept every pushed weight tensor for the whole run (a 2 + 2 demo run was OOM-killed at step 7)."""
 
     def __init__(self, bridge):
         self.bridge = bridge
@@ -99,9 +102,11 @@ class Outbox:
 
     def reap(self) -> None:
         """Forget the sends that are done; one that failed raises PeerGone."""
-        for work, dst, _ in [x for x in self.pending if x[0].is_completed()]:
-            _wait(work, dst, "sending to")
-        self.pending = [x for x in self.pending if not x[0].is_completed()]
+        done = [x[0].is_completed() for x in self.pending]
+        for (work, dst, _), d in zip(self.pending, done, strict=True):
+            if d:
+                _wait(work, dst, "sending to")
+        self.pending = [x for x, d in zip(self.pending, done, strict=True) if not d]
 
     def drain(self) -> None:
         for work, dst, _ in self.pending:
@@ -209,6 +214,9 @@ class RemoteEngine:
             self.out.obj(None, self.generator, TENSOR, TENSOR + 10)
         while isinstance(reply := self._reply(), Served):
             self.ready.append(reply)
+        # The generator loaded this push, so it has received every send of this rank (nothing goes out between the
+        # header and the receipt): the waits return at once and free the pushed tensors.
+        self.out.drain()
         return reply
 
     def sleep(self) -> None:
@@ -283,6 +291,9 @@ def serve(placement: Placement, build_engine) -> str:
                 del pushes[v]
                 for t in mine:
                     out.obj(receipt, t, REPLY, REPLY_BODY)
+                # Each trainer reads every answer up to its receipt now (RemoteEngine.push_weights): the waits end
+                # as it does, and free the answers sent so far.
+                out.drain()
                 last = time.perf_counter()
         elif kind == "stop":
             stopped[src] = msg["why"]
