@@ -388,7 +388,7 @@ def steps(s: Setup, rank: int, world: int) -> Path:
         # --- 6. metrics over all ranks ----------------------------------------------------------------------------
         stats = RolloutStats.cat(up.stats)
         records = rollout_records(batch, rank, clip_high(batch.adv.c, batch.adv.k, a), up.stats,
-                                  up.stat_rows) if t.log_rollouts else None
+                                  up.stat_rows, up.off_policy) if t.log_rollouts else None
         rollouts = batch.rollouts
         mine_step = RankStep(stats=stats, rewards=batch.rewards, c=batch.adv.c, k=batch.adv.k,
                              reward_counts=status_counts(batch.flat_results),
@@ -554,16 +554,18 @@ def update(actor: Actor, minis: list[list[MicroBatch]], cfg: Config, step: int, 
 
 
 def rollout_records(batch: StepBatch, rank: int, eps_hi: Tensor, stats: list[RolloutStats],
-                    stat_rows: list[Tensor]) -> list[dict]:
+                    stat_rows: list[Tensor], off_policy: list[Tensor]) -> list[dict]:
     """One JSON record per rollout: what was sampled, how it scored, and every update's IS ratio and clip
-    decision for it (in update order), so a reader can audit the clipping of any single rollout."""
+    decision for it (in update order), so a reader can audit the clipping of any single rollout. `off_policy`
+    marks the updates after the step's first optimizer step: only those can clip, so only those count as
+    decisions (gapo-compare band)."""
     rollouts, results, ga = batch.rollouts, batch.flat_results, batch.adv
     updates: list[list[dict]] = [[] for _ in rollouts]
-    for st, rows in zip(stats, stat_rows, strict=True):  # per micro-batch, epochs in order
+    for st, rows, off in zip(stats, stat_rows, off_policy, strict=True):  # per micro-batch, epochs in order
         for b, j in enumerate(rows.tolist()):
             updates[j].append({"is_ratio": float(torch.exp(st.seq_log_ratio[b])),
                                "clip_hi_tokens": int(st.clip_hi_tokens[b]),
-                               "clip_lo_tokens": int(st.clip_lo_tokens[b])})
+                               "clip_lo_tokens": int(st.clip_lo_tokens[b]), "off_policy": bool(off[b])})
     k = len(batch.groups[0])
     return [{"step": batch.step, "rank": rank, "problem": batch.problems[i // k].uid, "text": x.text,
              "reward": res.reward, "status": res.status, "c": int(ga.c[i]), "k": int(ga.k[i]),
