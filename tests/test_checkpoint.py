@@ -184,6 +184,10 @@ def test_intervention_changes_the_loss_and_records_its_parent(base):
         assert x["eps_hi"] == pytest.approx(bound)
         for u in x["updates"]:
             assert (u["clip_hi_tokens"] > 0) == (x["adv"] > 0 and u["is_ratio"] > 1 + bound)
+            if not u["off_policy"]:  # the step's first optimizer step: the sampling weights, ratio 1, no clip
+                assert abs(u["is_ratio"] - 1) < 1e-4 and u["clip_hi_tokens"] == 0
+    flags = {u["off_policy"] for x in new3 for u in x["updates"]}
+    assert flags == {True, False}  # several mini-batches: the first on-policy, the rest not
     assert any(x["eps_hi"] > 3e-3 for x in new3 if x["adv"] > 0)
     state = json.loads((branch_dir / "checkpoints" / "step_000004" / "trainer.json").read_text())
     assert state["parent"] == {"run_dir": str(parent), "step": 2, "algorithm": "gspo",

@@ -34,7 +34,7 @@ def test_the_command_is_named_not_guessed(tmp_path, capsys):
     arguments (a manifest path may hold one, and a run directory too)."""
     with pytest.raises(SystemExit) as stop:
         cli(["--out", str(tmp_path), "gapo=a,b", "gspo=c,d"])
-    assert stop.value.code == 2 and "{table,seeds}" in capsys.readouterr().err
+    assert stop.value.code == 2 and "{table,seeds,band}" in capsys.readouterr().err
     assert cli(["table", str(tmp_path / "a=b.yaml")]) == 2  # a manifest, however it is named
 
 
@@ -109,8 +109,6 @@ def test_report_cells_and_figures(seeds, tmp_path, capsys):
     val = md.split("## Final validation")[1].split("## Training")[0]
     # aime24 final pass@1: gapo 4, 5, 6 of 16 -> 0.25, 0.3125, 0.375; gspo 2, 3, 2 of 16
     gspo = [2 / 16, 3 / 16, 2 / 16]
-    gspo_mean = sum(gspo) / 3
-    gspo_sd = math.sqrt(sum((x - gspo_mean) ** 2 for x in gspo) / 2)
     gapo_row = val.split("\n| gapo | ")[1].split("\n")[0]
     assert gapo_row.startswith(logit_cell([0.25, 0.3125, 0.375]) + " | ")
     gspo_row = val.split("\n| gspo | ")[1].split("\n")[0]
@@ -118,29 +116,38 @@ def test_report_cells_and_figures(seeds, tmp_path, capsys):
     # math500: gapo 0.5, 0.625, 0.75 (mean 62.50, logit centre 63.10); the mean column averages the two benchmarks
     assert f"| {logit_cell([0.5, 0.625, 0.75])} |" in gapo_row
     assert "| label | aime24 | math500 | mean |" in val
-    # Welch on aime24, from the same hand arithmetic as test_welch_by_hand
-    se2 = 0.0625**2 / 3 + gspo_sd**2 / 3
-    t = (0.3125 - gspo_mean) / math.sqrt(se2)
-    df = se2**2 / ((0.0625**2 / 3) ** 2 / 2 + (gspo_sd**2 / 3) ** 2 / 2)
-    p = 2 * stats.t.sf(t, df)
-    assert p < 0.05  # so the cell carries a star
-    stars = "**" if p < 0.01 else "*"
-    assert f"| gapo vs gspo | +{100 * (0.3125 - gspo_mean):.2f}{stars} (p = {p:.2g}) |" in val
+    # Δ on aime24 paired by trainer.seed: d = 4/16 - 2/16, 5/16 - 3/16, 6/16 - 2/16 = 0.125, 0.125, 0.25;
+    # mean 1/6; deviations -1/24, -1/24, 1/12 (paired t p = 0.057: no star, where Welch's unpaired test gave one)
+    d = [0.125, 0.125, 0.25]
+    sd = math.sqrt(sum((x - 1 / 6) ** 2 for x in d) / 2)
+    h = T_975_DF2 * sd / math.sqrt(3)
+    p = 2 * stats.t.sf((1 / 6) / (sd / math.sqrt(3)), 2)
+    assert 0.05 < p < 0.06
+    assert (f"| gapo vs gspo | +{100 / 6:.2f} [{100 * (1 / 6 - h):+.2f}, +{100 * (1 / 6 + h):.2f}] (p = {p:.2g}, "
+            f"3 pairs) |") in val
     assert "At step 10 " in md
     # Training window 3..8: c = 1 clips at 2 of the 6 steps for every seed, of 4 + seed units each step.
     # Per c: the pooled fraction (6 clips in 90 decisions) and its seed-clustered standard error, Student-t on
     # the logit scale: Var = n/(n-1) sum (e_i - p u_i)^2 / U^2, half-width t * se / (p (1 - p)), mapped back.
+    # The interval is the hull of that one and Clopper-Pearson on 6 of 90.
     units = [6 * (4 + s) for s in range(3)]
     centre = 6 / sum(units)
     se = math.sqrt(3 / 2 * sum((2 - centre * u) ** 2 for u in units)) / sum(units)
     zm, h = math.log(centre / (1 - centre)), T_975_DF2 * se / (centre * (1 - centre))
     lo, hi = (1 / (1 + math.exp(-(zm + d))) for d in (-h, h))
+    cp_lo, cp_hi = stats.beta.ppf(0.025, 6, 85), stats.beta.ppf(0.975, 7, 84)
+    lo, hi = min(lo, cp_lo), max(hi, cp_hi)
     assert lo < centre < hi
     assert f"{centre:.4g} [{lo:.4g}, {hi:.4g}] (n = 3)" in md
     # the pooled counts: c = 1 is low c (k = 4); the same clips per seed on both sides: odds ratio 1, no difference
     pooled = md.split("## Clip counts pooled over seeds")[1]
-    assert "| gapo vs gspo | low | 6 / 90 | 6 / 90 | 1 | 0 | 1 |" in pooled
-    assert "| gapo vs gspo | high | 0 / 0 | 0 / 0 | – | – | (no stratum with both outcomes: no test) |" in pooled
+    assert "assumes independent decisions" in md.split("## Clip counts pooled over seeds")[1].split("\n")[0]
+    assert "| gapo vs gspo | low | 3 | 6 / 90 | 6 / 90 | 1 [" in pooled and "| 0 | 1 | 1 (does not survive) |" in pooled
+    assert ("| gapo vs gspo | high | 3 | 0 / 0 | 0 / 0 | – | – | (no stratum with both outcomes: no test) | – |"
+            in pooled)
+    # the interaction: no high-c decisions in these runs, so no seed has a contrast
+    inter = md.split("## The c × rule interaction")[1].split("## Clip counts")[0]
+    assert "| gapo − gspo | 0 | – | – | (no test: fewer than 2 pairs) | – | – |" in inter
     assert "steps 3–8" in md
     for name in ("is_ratio_by_c.png", "clip_by_c.png", "clip_vs_c.png", "is_adv_corr.png", "val_pass.png",
                  "coverage.png", "training.png"):
@@ -164,7 +171,7 @@ def test_val_step_option(seeds, tmp_path):
     md = (out / "compare.md").read_text()
     # at step 5 every seed solved 2 of 16 on each benchmark: no spread, and no test
     assert "| gapo | 12.50 [12.50, 12.50] (n = 3) | 12.50 [12.50, 12.50] (n = 3) | 12.50 [12.50, 12.50] (n = 3) |" in md
-    assert "+0.00 (no spread on either side: identical)" in md
+    assert "+0.00 (3 pairs: identical in every pair; no test)" in md
     assert compare_seeds(["--out", str(out), "--val-step", "7", *_group_args(seeds)]) == 2
 
 
@@ -236,7 +243,7 @@ def test_welchs_degenerate_cases_are_said_in_words():
     assert significance([0.3], [0.2, 0.1]) == "(n < 2: no test)"
     assert significance([0.5, 0.5, 0.5], [0.1, 0.2, 0.3]) == "* (p = 0.035)"  # one side constant: testable
     cell = difference_cell(ProportionEstimate((1.0, 1.0)), ProportionEstimate((0.5, 0.5)), percent=True)
-    assert cell.startswith("+50.00 (no spread on either side")
+    assert cell.startswith("+50.00 unpaired (no spread on either side")  # hand-built: no seeds to pair
 
 
 def test_cmh_on_one_stratum_by_hand_and_on_identical_arms():
@@ -267,8 +274,113 @@ def test_a_clip_fraction_per_c_is_pooled_over_seeds_with_a_seed_clustered_interv
     h = stats.t.ppf(0.975, 4) * 0.04 / (0.04 * 0.96)
     mid = math.log(0.04 / 0.96)
     lo, hi = e.interval()
-    assert (lo, hi) == pytest.approx((1 / (1 + math.exp(-(mid - h))), 1 / (1 + math.exp(-(mid + h)))))
+    clustered = (1 / (1 + math.exp(-(mid - h))), 1 / (1 + math.exp(-(mid + h))))
+    exact = (stats.beta.ppf(0.025, 1, 25), stats.beta.ppf(0.975, 2, 24))  # Clopper-Pearson, 1 of 25
+    assert (lo, hi) == pytest.approx((min(clustered[0], exact[0]), max(clustered[1], exact[1])))
     assert 0 < lo < 0.01 and 0.04 < hi < 0.5
     # Seeds with different numbers of decisions weigh by their decisions, not one vote each.
     e = ProportionEstimate((1.0, 0.0), counts=((1, 1), (0, 99)))
     assert e.centre == pytest.approx(0.01)
+
+
+# ------------------------------------------------------------------ pairing by seed, the interaction, coverage
+
+
+def test_a_missing_seed_pairs_the_rest_by_seed_not_by_position(seeds, tmp_path):
+    """gspo's seed 1 is missing: pairing by list position (zip) would set gapo's seed 1 against gspo's seed 2 and
+    shift the pairs; by trainer.seed, seeds 0 and 2 pair. aime24: gapo 4/16 and 6/16 against gspo 2/16 and 2/16:
+    d = 0.125, 0.25, mean 0.1875 (position would give 0.125, 0.1875: mean 0.15625)."""
+    import shutil
+
+    shutil.rmtree(seeds["gspo"].pop(1))
+    out = tmp_path / "cmp"
+    assert compare_seeds(["--out", str(out), *_group_args(seeds)]) == 0
+    md = (out / "compare.md").read_text()
+    val = md.split("## Final validation")[1].split("## Training")[0]
+    row = val.split("\n| gapo vs gspo | ")[1].split(" | ")[0]
+    assert row.startswith("+18.75 [") and row.endswith("2 pairs)"), row
+    pooled = md.split("## Clip counts pooled over seeds")[1]
+    assert "| gapo vs gspo | low | 2 |" in pooled  # two strata: the seeds both ran
+    assert "| gspo | 2 | 0, 2 |" in md  # the runs table names the seeds
+
+
+def test_a_seed_twice_in_one_label_is_refused(seeds):
+    from gapo.study.compare import CompareError
+
+    twice = f"gapo={seeds['gapo'][0]},{seeds['gapo'][0]}"
+    with pytest.raises(CompareError, match="both ran trainer.seed 0"):
+        load_groups([twice, f"gspo={','.join(map(str, seeds['gspo']))}"])
+
+
+def _write_clips(d: Path, algo: str, seed: int, low: tuple[int, int], high: tuple[int, int]) -> Path:
+    """A run with k = 4 whose one step clipped low[0] of low[1] correct decisions at c = 1 and high[0] of high[1]
+    at c = 3."""
+    d.mkdir(parents=True)
+    (d / "config.yaml").write_text(yaml.safe_dump({"algorithm": {"name": algo}, "rollout": {"group_size": 4},
+                                                   "trainer": {"seed": seed}}))
+    rec = {"step": 1, "clip_hi/c1": low[0], "clip_units/c1": low[1], "n_correct/c1": low[1],
+           "clip_hi/c3": high[0], "clip_units/c3": high[1], "n_correct/c3": high[1]}
+    (d / "metrics.jsonl").write_text(json.dumps(rec) + "\n")
+    return d
+
+
+def test_the_c_by_rule_interaction_is_paired_by_seed(tmp_path):
+    """Contrast = low-c minus high-c clip fraction per seed; interaction = difference of contrasts at one seed.
+    gapo: low 1/10, 2/10, 1/10 against high 5/10: contrasts -0.4, -0.3, -0.4; gspo: low 5/10, 6/10, 4/10 against
+    high 5/10: 0, +0.1, -0.1. Interactions -0.4, -0.4, -0.3: mean -0.3667; every sign negative, so the exact
+    sign-flip p is 2/8 = 0.25, the smallest three pairs allow."""
+    from gapo.study.compare import interaction_table, sign_flip_p
+
+    g = {"gapo": [_write_clips(tmp_path / f"a{s}", "gapo", s, (lo, 10), (5, 10)) for s, lo in enumerate((1, 2, 1))],
+         "gspo": [_write_clips(tmp_path / f"b{s}", "gspo", s, (lo, 10), (5, 10)) for s, lo in enumerate((5, 6, 4))]}
+    groups = load_groups([f"{k}={','.join(map(str, v))}" for k, v in g.items()])
+    md = "\n".join(interaction_table(groups, (None, None)))
+    d = [-0.4, -0.4, -0.3]
+    m, sd = sum(d) / 3, math.sqrt(sum((x - sum(d) / 3) ** 2 for x in d) / 2)
+    p = 2 * stats.t.sf(abs(m) / (sd / math.sqrt(3)), 2)
+    assert "| gapo | 0: -0.400, 1: -0.300, 2: -0.400 |" in md
+    h = T_975_DF2 * sd / math.sqrt(3)
+    cell = f"{m:+.3f} [{m - h:+.3f}, {m + h:+.3f}] | {p:.2g}"
+    assert f"| gapo − gspo | 3 | 0: -0.400, 1: -0.400, 2: -0.300 | {cell}" in md
+    assert "| 0.25 | " in md and "Holm (1 tests)" in md
+    assert sign_flip_p([1.0, 2.0, 3.0, 4.0, 5.0]) == pytest.approx(0.0625)  # 5 pairs, all one way: 2 / 32
+
+
+def test_holm_by_hand():
+    from gapo.study.compare import holm
+
+    # sorted 0.01, 0.02, 0.04 -> 3 * 0.01, max(0.03, 2 * 0.02), max(0.04, 1 * 0.04); NaN is not a test
+    assert holm([0.04, 0.01, float("nan"), 0.02]) == pytest.approx([0.04, 0.03, float("nan"), 0.04], nan_ok=True)
+
+
+def test_mh_odds_interval_on_one_stratum_is_woolfs():
+    """With one stratum the Robins-Breslow-Greenland variance reduces to Woolf's 1/a + 1/b + 1/c + 1/d."""
+    from gapo.study.compare import mh_odds_interval
+
+    lo, hi = mh_odds_interval([(10, 50, 2, 50)])
+    se = math.sqrt(1 / 10 + 1 / 40 + 1 / 2 + 1 / 48)
+    z = stats.norm.ppf(0.975)
+    assert (lo, hi) == pytest.approx((6 * math.exp(-z * se), 6 * math.exp(z * se)))
+
+
+@pytest.mark.parametrize("rate, icc", [(0.04, 0.0), (0.04, 0.2), (0.3, 0.2)])
+def test_a_pooled_clip_fractions_interval_covers_at_small_counts(rate, icc):
+    """Simulated coverage of the nominal 95 % interval at the counts a laptop experiment has: 5 seeds with 2-7
+    decisions each. The clustered interval alone gave zero width at 0 of 23 or at 1/2, 2/4, 3/6 (coverage 0.58 at a
+    4 % rate); the hull with Clopper-Pearson must cover at least nominally. icc > 0 draws each seed's rate from a
+    beta distribution (seeds differ more than binomially). 400 seeded draws: a binomial 95 % band around 0.95 is
+    +- 0.021, so 0.93 is the floor."""
+    import numpy as np
+
+    from gapo.study.compare import ProportionEstimate
+
+    rng = np.random.default_rng(0)
+    units = np.array([2, 3, 5, 6, 7])
+    hits = 0
+    for _ in range(400):
+        p = rng.beta(rate * (1 - icc) / icc, (1 - rate) * (1 - icc) / icc, 5) if icc else np.full(5, rate)
+        e = rng.binomial(units, p)
+        counts = tuple(zip(e.tolist(), units.tolist(), strict=True))
+        lo, hi = ProportionEstimate(tuple(e / units), counts=counts).interval()
+        hits += lo <= rate <= hi
+    assert hits / 400 >= 0.93

@@ -302,11 +302,11 @@ def cli(argv: list[str] | None = None) -> int:
     import sys
 
     from gapo.errors import ConfigError
-    from gapo.study import compare
+    from gapo.study import band, compare
 
     p = argparse.ArgumentParser(prog="gapo-compare", description="Seeds aggregated into the paper's tables and "
                                 "figures (table), or several seeds per label compared directly (seeds).")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{table,seeds}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{table,seeds,band}")
     table = sub.add_parser("table", help="a manifest's paper table from its sweep's evaluations",
                            description=__doc__.split("\n\n")[0])
     table.add_argument("manifest", help="experiments/NAME.yaml, or NAME")
@@ -316,9 +316,17 @@ def cli(argv: list[str] | None = None) -> int:
                            description=compare.__doc__.split("\n\n")[0],
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     compare.add_arguments(seeds)
+    bands = sub.add_parser("band", help="where two clip rules decide differently, per c, on logged runs' ratios",
+                           description=band.__doc__.split("\n\n")[0])
+    bands.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories with rollouts.jsonl")
+    bands.add_argument("--rules", nargs=2, required=True, metavar="NAME:EPS_LO[/EPS_HI]",
+                       help="the two rules, e.g. gapo:0.003/0.015 gspo:0.003/0.015 (the upper width is eps_hi_max of "
+                            "an adaptive rule, eps_hi of a fixed one; without it a fixed rule is symmetric)")
     args = p.parse_args(sys.argv[1:] if argv is None else list(argv))
     if args.command == "seeds":
         return compare.run(args)
+    if args.command == "band":
+        return band.main(args)
     try:
         path = write(load_manifest(args.manifest), args.output_root, args.out)
     except ConfigError as err:

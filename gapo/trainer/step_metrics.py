@@ -186,8 +186,9 @@ def loss_metrics(s: RolloutStats, is_level: IsLevel) -> dict[str, float]:
     Clip fractions count tokens under token IS and rollouts under sequence IS (a sequence is clipped as a
     whole). `clip_frac/c{c}` and `is_ratio/c{c}` cover positive-advantage (correct) rollouts of groups
     with c correct, c = 1..k-1 (Fig. 3); `clip_hi/c{c}`, `clip_units/c{c}` (that fraction's numerator and
-    denominator) and `n_correct/c{c}` (its rollouts) are sums, so that a window of steps aggregates exactly
-    instead of averaging fractions of a handful of rollouts each. `is_adv_corr` is Pearson's r between the
+    denominator), `clip_all` and `clip_units` (those of `clip_frac`) and `n_correct/c{c}` (its rollouts) are
+    sums, so that a window of steps aggregates exactly instead of averaging fractions of a handful of rollouts
+    each. `is_adv_corr` is Pearson's r between the
     sequence IS ratio and the advantage over rollouts with A != 0 (Fig. 5); zero-advantage rollouts carry
     no gradient and would only dilute it.
     """
@@ -200,7 +201,8 @@ def loss_metrics(s: RolloutStats, is_level: IsLevel) -> dict[str, float]:
     else:
         units, hi, lo = s.n_tokens, s.clip_hi_tokens, s.clip_lo_tokens
     total = units.sum().clamp(min=1)
-    out = {"clip_frac": float((hi + lo).sum() / total), "clip_frac/high": float(hi.sum() / total),
+    out = {"clip_frac": float((hi + lo).sum() / total), "clip_all": float((hi + lo).sum()),
+           "clip_units": float(units.sum()), "clip_frac/high": float(hi.sum() / total),
            "clip_frac/low": float(lo.sum() / total),
            "approx_kl": float(s.kl_sum.sum() / s.n_tokens.sum().clamp(min=1))}
     ratio = torch.exp(s.seq_log_ratio.double())
