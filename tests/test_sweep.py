@@ -361,7 +361,7 @@ def logit_cell(a: float, b: float) -> str:
     return f"{c:.1f} [{lo:.1f}, {hi:.1f}]"
 
 
-def test_the_table_is_built_from_the_evaluations_with_cis_and_welch(tmp_path):
+def test_the_table_is_built_from_the_evaluations_with_cis_and_paired_tests(tmp_path):
     from gapo.study.tables import write
 
     m = load_manifest("tiny_cpu")
@@ -375,7 +375,7 @@ def test_the_table_is_built_from_the_evaluations_with_cis_and_welch(tmp_path):
     assert "## Missing" in md and "gspo seed 1, step 2" in md
     _fake_results(tmp_path, m, {("gspo", 1): 0.12})
     md = write(m, tmp_path).read_text()
-    assert "| GAPO vs GSPO | +21.00" in md and "(p = " in md and "## Missing" not in md
+    assert "| GAPO vs GSPO | +21.00 [" in md and "2 pairs)" in md and "## Missing" not in md  # by seed: 0.2, 0.22
     assert "![coverage.png](coverage.png)" in md and (tmp_path / "tiny_cpu" / "compare" / "coverage.png").is_file()
     rows = (tmp_path / "tiny_cpu" / "compare" / "table.csv").read_text().splitlines()
     assert rows[0] == "method,benchmark,metric,step,seeds,mean,centre,ci95_low,ci95_high,values"

@@ -9,7 +9,7 @@ figures, each run's metrics.jsonl. Writes `<output_root>/<manifest>/compare/`:
   over seeds (Student-t on the logit scale, df = seeds - 1, mapped back: within [0, 100] and around its centre;
   the paper's Table 6 gives mean ± t-interval, which can leave [0, 100] with three seeds), n when seeds are
   missing; then Table 7: for each pair in `compare.against`, the difference of the means of the first metric with
-  Welch's unpaired t-test (* p < 0.05, ** p < 0.01, *** p < 0.001), or why there is no test;
+  a paired t-test by trainer.seed (* p < 0.05, ** p < 0.01, *** p < 0.001), or why there is no test;
 - table.csv: the same numbers, one line per run x benchmark x metric (n, mean, centre, interval, the values);
 - the manifest's figures (`compare.figures`).
 
@@ -28,7 +28,7 @@ from matplotlib.figure import Figure
 
 from gapo import rundir
 from gapo.config import fmt_eps, load_config
-from gapo.study.compare import Estimate, ProportionEstimate, build_figures, ci_half_width, significance
+from gapo.study.compare import Estimate, ProportionEstimate, build_figures, ci_half_width, difference_cell
 from gapo.study.figures import load_run, md_cell, run_style
 from gapo.study.sweep import Job, Manifest, base_results, jobs, load_manifest
 
@@ -59,10 +59,10 @@ def estimates(m: Manifest, js: list[Job], found: dict, step: int, bench: str, k:
     """Per run label, the seeds' pass@k on `bench` at `step` (seeds without it are left out: n says so)."""
     out = {}
     for r in m.runs:
-        vals = [found[(r.name, j.seed)][step][f"val/{bench}/pass@{k}"] for j in js
-                if j.run.name == r.name and step in found.get((r.name, j.seed), {})
-                and f"val/{bench}/pass@{k}" in found[(r.name, j.seed)][step]]
-        out[r.label or r.name] = ProportionEstimate(tuple(vals))
+        got = [(found[(r.name, j.seed)][step][f"val/{bench}/pass@{k}"], j.seed) for j in js
+               if j.run.name == r.name and step in found.get((r.name, j.seed), {})
+               and f"val/{bench}/pass@{k}" in found[(r.name, j.seed)][step]]
+        out[r.label or r.name] = ProportionEstimate(tuple(v for v, _ in got), tuple(s for _, s in got))
     return out
 
 
@@ -120,20 +120,13 @@ def write(m: Manifest, root: str | Path | None, out: Path | None = None) -> Path
                 rows.append([label, b, f"pass@{k}", step, e.n, e.mean if e.n else "", e.centre if e.n else "", lo,
                              hi, " ".join(f"{v:.6g}" for v in e.values)])
     if m.compare.against:
-        lines += ["", f"## Pairwise significance of pass@{ks[0]} (Table 7): Δ = ours − baseline (means over seeds), "
-                  "Welch's t-test, unpaired", "",
+        lines += ["", f"## Pairwise significance of pass@{ks[0]} (Table 7): Δ = ours − baseline, paired by seed "
+                  "(the mean over the seeds both ran, its 95 % Student-t interval and the paired t-test's p: same-seed "
+                  "runs share prompt order, sampling and evaluation seeds)", "",
                   "| Comparison | " + " | ".join(benches) + " |", "|" + "---|" * (len(benches) + 1)]
         for ours, theirs in m.compare.against.items():
             for base in theirs:
-                cells = []
-                for b in benches:
-                    a, c = est[(b, ks[0])][ours], est[(b, ks[0])][base]
-                    if a.n == 0 or c.n == 0:
-                        cells.append("–")
-                        continue
-                    sig = significance(a.values, c.values)
-                    delta = f"{100 * (a.mean - c.mean):+.2f}"
-                    cells.append(delta + (sig if sig.startswith("*") else f" {sig.strip()}"))
+                cells = [difference_cell(est[(b, ks[0])][ours], est[(b, ks[0])][base], percent=True) for b in benches]
                 lines.append(f"| {md_cell(ours)} vs {md_cell(base)} | " + " | ".join(cells) + " |")
     missing = [(j, s) for j in js for s in j.own_steps(m.eval.steps) if s not in found.get((j.run.name, j.seed), {})]
     if m.base and not base.is_file():
@@ -312,7 +305,7 @@ def cli(argv: list[str] | None = None) -> int:
     table.add_argument("manifest", help="experiments/NAME.yaml, or NAME")
     table.add_argument("--out", type=Path, help="default: <output_root>/<manifest>/compare")
     table.add_argument("--output-root", help="where the sweep wrote its runs (default: the manifest's output_root)")
-    seeds = sub.add_parser("seeds", help="labels of several seeds each: mean ± CI, Welch's tests, figures",
+    seeds = sub.add_parser("seeds", help="labels of several seeds each: mean ± CI, tests paired by seed, figures",
                            description=compare.__doc__.split("\n\n")[0],
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     compare.add_arguments(seeds)
