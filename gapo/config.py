@@ -170,7 +170,7 @@ class AlgorithmConfig(_Section):
         if self.clip == "adaptive" and self.eps_lo > self.eps_hi_max:
             raise ValueError(
                 f"algorithm.eps_lo={self.eps_lo} > algorithm.eps_hi_max={self.eps_hi_max}: the adaptive "
-                "upper bound goes from eps_lo (c = k-1) to eps_hi_max (c = 1), so eps_lo <= eps_hi_max")
+                "upper bound goes from eps_hi_max (c = 1) down to eps_lo (c = k), so eps_lo <= eps_hi_max")
         if self.clip != "cispo" and self.eps_lo >= 1.0:
             raise ValueError(f"algorithm.eps_lo={self.eps_lo}: a PPO lower bound 1 - eps_lo must stay "
                              "above 0, so eps_lo must be < 1 (only clip=cispo allows 1.0)")
@@ -185,7 +185,7 @@ class AlgorithmConfig(_Section):
         """The clip rule and its bounds in words, as the console, the rehearsal report and gapo-plot show it."""
         lo, hi = fmt_eps(self.eps_lo), fmt_eps(self.upper)
         if self.clip == "adaptive":
-            return f"adaptive clip 1 - {lo} .. 1 + eps_hi(c), eps_hi from {hi} (c = 1) to {lo} (c = k-1)"
+            return f"adaptive clip 1 - {lo} .. 1 + eps_hi(c), eps_hi from {hi} (c = 1) down to {lo} (c = k)"
         if self.clip == "cispo":
             return f"CISPO weight clipped to [1 - {lo}, 1 + {hi}]"
         return f"fixed clip 1 - {lo} .. 1 + {hi}"

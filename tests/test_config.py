@@ -225,7 +225,7 @@ def test_paper_configs_carry_the_paper_values():
 
 
 @pytest.mark.parametrize("name, words", [
-    ("gapo", "adaptive clip 1 - 3e-3 .. 1 + eps_hi(c), eps_hi from 5e-3 (c = 1) to 3e-3 (c = k-1)"),
+    ("gapo", "adaptive clip 1 - 3e-3 .. 1 + eps_hi(c), eps_hi from 5e-3 (c = 1) down to 3e-3 (c = k)"),
     ("gspo", "fixed clip 1 - 3e-3 .. 1 + 3e-3"),
     ("dapo", "fixed clip 1 - 0.2 .. 1 + 0.28"),
     ("cispo", "CISPO weight clipped to [1 - 1, 1 + 4]"),
