@@ -50,19 +50,20 @@ demo: install
 	$(BIN)/gapo-train --config configs/demo_cpu.yaml trainer.output_dir=runs/demo_cpu
 	$(BIN)/gapo-plot runs/demo_cpu --out runs/demo_cpu/plots
 
-# GAPO's mechanism on a laptop (README): experiments/demo_mechanism.yaml, three clip rules x five seeds on the demo's
-# task, through the chain a cluster user runs: the runs, their evaluation, the table and figures, and the seeds report
-# (per-c clip fractions with intervals, the pooled clip-count test, IS-advantage correlation). 15 CPU runs of 6-14
-# minutes on 2 cores (README); not part of any test tier. A second `make demo-compare` skips what is done.
+# GAPO's mechanism on a laptop (README): experiments/demo_mechanism.yaml, GAPO against asymmetric and symmetric GSPO
+# x five seeds on the demo's task, through the chain a cluster user runs: the runs, their evaluation, the table and
+# figures, and the seeds report (band counts: where the rules can differ; the c x rule interaction paired by seed;
+# per-c clip fractions with intervals; the pooled clip-count test). 15 CPU runs of about 7 minutes on 2 cores
+# (README); not part of any test tier. A second `make demo-compare` skips what is done.
 DEMO_RUNS = runs/demo_mechanism
 demo-compare: install
 	$(BIN)/gapo-sweep demo_mechanism --run
 	$(BIN)/gapo-sweep demo_mechanism --eval
 	$(BIN)/gapo-compare table demo_mechanism
 	$(BIN)/gapo-compare seeds --out $(DEMO_RUNS)/compare/seeds \
-	  "GAPO 0.01/0.08=$$(ls -d $(DEMO_RUNS)/gapo/seed* | paste -sd,)" \
-	  "GSPO 0.01=$$(ls -d $(DEMO_RUNS)/gspo_sym/seed* | paste -sd,)" \
-	  "GSPO 0.01/0.08=$$(ls -d $(DEMO_RUNS)/gspo_asym/seed* | paste -sd,)"
+	  "GAPO 0.003/0.015=$$(ls -d $(DEMO_RUNS)/gapo/seed*/ | paste -sd,)" \
+	  "GSPO 0.003/0.015=$$(ls -d $(DEMO_RUNS)/gspo_asym/seed*/ | paste -sd,)" \
+	  "GSPO 0.003=$$(ls -d $(DEMO_RUNS)/gspo_sym/seed*/ | paste -sd,)"
 
 # TRL in an environment of its own (not a gapo dependency), for bench/e2e_vs_trl.py: the same torch and
 # transformers as .venv, so that both sides run the same model code.
