@@ -601,8 +601,8 @@ def interaction_table(groups: dict[str, list[Run]], window: Window) -> list[str]
     for (a, b, common, d, m, lo, hi, p, sp), adj in zip(rows, adjusted, strict=True):
         per_seed = ", ".join(f"{s}: {x:+.3f}" for s, x in zip(common, d, strict=True)) or "–"
         ci = f"{m:+.3f} [{lo:+.3f}, {hi:+.3f}]" if math.isfinite(lo) else (f"{m:+.3f}" if len(d) else "–")
-        test = f"{p:.2g}{stars(p)}" if math.isfinite(p) else "(no test: " + \
-            ("fewer than 2 pairs)" if len(d) < 2 else "no spread)")
+        test = (f"{p:.2g}{stars(p)}" if math.isfinite(p)
+                else "(no test: fewer than 2 pairs)" if len(d) < 2 else "(no test: no spread)")
         holm_cell = (f"{adj:.2g} ({'survives' if adj < 0.05 else 'does not survive'})" if math.isfinite(adj)
                      else "–")
         sf = f"{sp:.3g}" if math.isfinite(sp) else "–"
