@@ -88,6 +88,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     "cispo": dict(is_level="token", clip="cispo", eps_lo=1.0, eps_hi=4.0, std_normalize=False,
                   focal_gamma=0.0, loss_agg="token_mean"),
 }
+def adaptive_eps_hi(c, k, eps_lo: float, eps_hi_max: float):
+    """GAPO's eq. 8, eps_hi(c) = eps_lo + (eps_hi_max - eps_lo) * (k - c) / (k - 1), in its one place: plain
+    arithmetic, so the loss applies it to tensors (gapo.trainer.losses.gapo_clip_high, which also guards c and k)
+    and gapo-compare band to the numbers of a logged rollout."""
+    return eps_lo + (eps_hi_max - eps_lo) * (k - c) / (k - 1)
+
+
 # The paper's widths (eps_lo, eps_hi_max) per IS level for Qwen2.5-Math-1.5B and Llama-3.2-3B (§4.1).
 DEFAULT_CLIP_WIDTHS = {"sequence": (3e-3, 5e-3), "token": (0.2, 0.28)}
 PRESET_SWITCHES = ("is_level", "clip", "eps_lo", "eps_hi", "eps_hi_max", "std_normalize",

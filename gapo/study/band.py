@@ -20,10 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gapo import rundir
-from gapo.config import AlgorithmConfig, fmt_eps, resolve
+from gapo.config import AlgorithmConfig, adaptive_eps_hi, fmt_eps, resolve
 from gapo.errors import ConfigError
 from gapo.study.figures import PlotError, algorithm_of, md_cell
-from gapo.trainer.losses import gapo_clip_high
 
 LEGACY_ON_POLICY = 1e-4  # |s - 1| below this counts as on-policy in logs without the off_policy flag
 
@@ -37,7 +36,9 @@ class Rule:
 
     def upper(self, c: int, k: int) -> float:
         a = self.algo
-        return float(gapo_clip_high(c, k, a.eps_lo, a.eps_hi_max)) if a.clip == "adaptive" else float(a.eps_hi)
+        if a.clip != "adaptive":
+            return float(a.eps_hi)
+        return float(adaptive_eps_hi(min(max(c, 1), k), k, a.eps_lo, a.eps_hi_max))  # c = 0 has no correct rollout
 
     def clips(self, ratio: float, adv: float, c: int, k: int) -> bool:
         if adv > 0:

@@ -24,7 +24,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:  # type hints only: this module needs torch alone
+from gapo.config import adaptive_eps_hi
+
+if TYPE_CHECKING:  # type hints only
     from gapo.config import AlgorithmConfig, RolloutCorrection
     from gapo.trainer.logprobs import MicroBatch
 
@@ -46,7 +48,7 @@ def gapo_clip_high(c: Tensor | int, k: Tensor | int, eps_lo: float, eps_hi_max: 
     if (k < 2).any():
         raise ValueError(f"gapo_clip_high: group size k must be >= 2, got {k.min().item():g}")
     c = torch.minimum(torch.clamp(c, min=1.0), k)
-    return eps_lo + (eps_hi_max - eps_lo) * (k - c) / (k - 1)
+    return adaptive_eps_hi(c, k, eps_lo, eps_hi_max)
 
 
 # --------------------------------------------------------------------------------------------------
