@@ -384,3 +384,10 @@ def test_a_pooled_clip_fractions_interval_covers_at_small_counts(rate, icc):
         lo, hi = ProportionEstimate(tuple(e / units), counts=counts).interval()
         hits += lo <= rate <= hi
     assert hits / 400 >= 0.93
+
+
+def test_mh_odds_interval_without_events_on_one_side_has_no_bound():
+    from gapo.study.compare import mh_odds_interval
+
+    assert mh_odds_interval([(0, 10, 3, 10)]) == (0.0, math.inf)  # odds ratio 0: no finite interval
+    assert mh_odds_interval([(3, 10, 0, 10)]) == (0.0, math.inf)

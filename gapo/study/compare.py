@@ -281,7 +281,7 @@ def cmh(strata: list[tuple[float, float, float, float]]) -> tuple[float, float, 
 def mh_odds_interval(strata: list[tuple[float, float, float, float]],
                      level: float = LEVEL) -> tuple[float, float]:
     """The Robins–Breslow–Greenland interval of the Mantel–Haenszel odds ratio (same strata as cmh; same
-    independence assumption). (0, inf) bounds where a sum is 0."""
+    independence assumption). [0, inf] where the odds ratio is 0 or infinite."""
     r_sum = s_sum = pr = ps_qr = qs = 0.0
     for ea, ua, eb, ub in strata:
         n = ua + ub
@@ -291,8 +291,8 @@ def mh_odds_interval(strata: list[tuple[float, float, float, float]],
         p, q, r, s_ = (a + d) / n, (b + c) / n, a * d / n, b * c / n
         r_sum, s_sum = r_sum + r, s_sum + s_
         pr, ps_qr, qs = pr + p * r, ps_qr + p * s_ + q * r, qs + q * s_
-    if r_sum == 0 or s_sum == 0:
-        return (0.0 if r_sum == 0 else float("nan")), (float("inf") if s_sum == 0 else float("nan"))
+    if r_sum == 0 or s_sum == 0:  # an odds ratio of 0 or infinity: its log has no variance, the interval no bound
+        return 0.0, float("inf")
     var = pr / (2 * r_sum**2) + ps_qr / (2 * r_sum * s_sum) + qs / (2 * s_sum**2)
     z = stats.norm.ppf((1 + level) / 2)
     log_or = math.log(r_sum / s_sum)
