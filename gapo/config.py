@@ -314,6 +314,13 @@ class MismatchAlarmConfig(_Section):
     warmup: int = Field(3, ge=1, description="Steps of history before the alarm can sound.")
 
 
+# vLLM's share of a GPU (rollout.gpu_memory_utilization) when the config leaves it unset: colocated, the actor trains
+# on the same GPU; split, a generator has its GPU to itself (vLLM's own default, 0.9: room for the CUDA context,
+# NCCL and allocator slack that vLLM does not count).
+COLOCATED_SHARE = 0.5
+SPLIT_SHARE = 0.9
+
+
 class RolloutConfig(_Section):
     engine: Literal["vllm", "hf"] = "vllm"
     group_size: int = Field(8, ge=2)
@@ -322,7 +329,10 @@ class RolloutConfig(_Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     max_new_tokens: int = Field(256, gt=0)
     gpu_memory_utilization: float = Field(
-        0.5, gt=0.0, le=1.0, description="vLLM: share of accelerator memory for weights + KV cache; ignored on CPU.")
+        COLOCATED_SHARE, gt=0.0, le=1.0,
+        description="vLLM: share of accelerator memory for weights + KV cache; ignored on CPU. Unset (or null): "
+                    f"{COLOCATED_SHARE} colocated (the engine shares its GPU with the actor), {SPLIT_SHARE} with "
+                    "placement=split (a generator's GPU holds the engine alone).")
     kv_cache_gb: float | None = Field(
         None, gt=0.0, description="vLLM KV cache size per rank in GiB; null = 1 GiB on CPU, gpu_memory_utilization "
                                   "on GPU.")
@@ -349,7 +359,9 @@ class RolloutConfig(_Section):
                              "rollout's weight version is checked regardless.")
     push_tolerance: float | None = Field(
         None, gt=0.0, description="Largest mean |engine - trainer| log-prob over the probe's tokens that a verified "
-                                  "push may show; null: 1e-4 in float32, 5e-2 in bfloat16.")
+                                  "push may show, a hard limit on every push; null: 1e-4 in float32, and in "
+                                  "bfloat16 10x the first verified push's difference, within [0.05, 0.25] "
+                                  "(gapo/trainer/sync.py).")
     mismatch_alarm: MismatchAlarmConfig = Field(default_factory=MismatchAlarmConfig)
     placement: Literal["colocated", "split"] = Field(
         "colocated", description="colocated: every rank generates, then trains. split: rollout.generator_ranks of "
@@ -361,6 +373,16 @@ class RolloutConfig(_Section):
         0, ge=0, description="split: while the trainer trains step n, the generators sample steps up to n + this, "
                              "so step n's rollouts come from the weights of step n-1-j, j <= max_staleness. 0: "
                              "synchronous, on-policy (the paper's runs); 1: one-step off-policy.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_share(cls, data: object) -> object:
+        """An unset gpu_memory_utilization follows the placement: a split generator left at the colocated 0.5 would
+        leave half of a GPU that nothing else uses idle (vLLM would size its KV cache to the other half)."""
+        if isinstance(data, dict) and data.get("gpu_memory_utilization") is None:
+            share = SPLIT_SHARE if data.get("placement") == "split" else COLOCATED_SHARE
+            data = {**data, "gpu_memory_utilization": share}
+        return data
 
     @model_validator(mode="after")
     def _placement(self) -> RolloutConfig:

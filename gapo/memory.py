@@ -16,7 +16,14 @@ What one rank holds (each rank runs a colocated vLLM engine and a DeepSpeed acto
 - Activations of the largest micro-batch (micro_batch_size padded sequences of prompt + max_new_tokens, or
   `trainer.max_tokens_per_micro_batch` tokens when it is set), the padding mask, and the vocab
   head's working set (one LOGIT_CHUNK of logits).
+- DeepSpeed's buffers and the optimizer step's (zero_buffer_bytes): the reduce bucket, held; while a step
+  accumulates and at its optimizer step, AdamW's temporary (foreach on CUDA: a full fp32 copy of what it steps,
+  torch/optim/adam.py `_multi_tensor_adam`), flat gradient copies, the bf16 gradients BF16_Optimizer keeps, and
+  with an offloaded optimizer the fp32 partition bf16 runs accumulate in on the GPU before it goes to the host.
 - A fixed allowance (OVERHEAD) for the CUDA context, NCCL and ZeRO-3 working buffers.
+- Not on the GPU: with trainer.offload the host memory per rank (offload_host_bytes): master weights, Adam's
+  moments, the fp32 gradient partition, the model-dtype staging copies, pinned blocks rounded up to a power of
+  two by torch's caching host allocator; the fused CPU AdamW the actor uses then adds nothing at the step.
 
 With `rollout.sleep_between_steps` vLLM frees its weights and KV cache while the actor trains, so the peak
 is max(generation phase, training phase); without it vLLM's share is held in both and simply adds up.
@@ -59,6 +66,11 @@ issue's anchors come out as:
 - DeepSeek-R1-Distill-Qwen-1.5B, configs/r1_distill_math.yaml (8 x 25,600 tokens): activations 45.1 GiB
   (the issue: 45-55) plus a 14.6 GiB padding mask next to vLLM's 40: about 107 GiB, does not fit (with
   rollout.sleep_between_steps the peak drops to about 67 GiB and it would).
+- Qwen2.5-Math-1.5B on one GPU, configs/qwen_math_1gpu.yaml (ZeRO-2, optimizer offloaded): 32.0 GiB of host
+  memory per rank (26.3 GiB of tensors and 5.7 GiB of power-of-two rounding of the pinned ones), where the plan
+  once said 23 (it left out the staging copies, the rounding and, with torch's single-tensor AdamW, 11.5 GiB of
+  step temporaries); on the GPU the 5.7 GiB fp32 accumulation partition of the step. The CPU measurement of the
+  same accounting on SmolLM2-135M is docs/PERFORMANCE.md section 12.
 """
 
 from __future__ import annotations
@@ -99,6 +111,19 @@ REDUCE_BUCKET = 200_000_000
 STATE_BYTES = {"bfloat16": (2, 4, 4 + 4 + 4), "float32": (4, 4, 4 + 4)}
 DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
 
+# ZeRO-3 steps the optimizer one sub-group of at most this many elements at a time (zero_optimization.sub_group_size,
+# DeepSpeed 0.19.8's default, which the actor keeps): the step's buffers at stage 3 are at most this big.
+SUB_GROUP = 1_000_000_000
+
+
+def pinned_bytes(nbytes: int) -> int:
+    """The page-locked memory a pinned host tensor of `nbytes` takes: torch 2.13's caching host allocator rounds
+    every block up to a power of two unless PYTORCH_CUDA_ALLOC_CONF sets pinned_max_round_threshold
+    (ATen/core/CachingHostAllocator.h, read in the installed headers), so a 6.2 GB fp32 partition takes 8 GiB.
+    DeepSpeed pins through `tensor.pin_memory()`, which goes to that allocator on CUDA (GPU only: unverified on a
+    GPU; the actor pins only when CUDA is there)."""
+    return 0 if nbytes <= 0 else 1 << (nbytes - 1).bit_length()
+
 
 def _shape(facts: dict) -> tuple[int, int, int, int, int, int, int]:
     """hidden, intermediate, layers, heads, kv_heads, head_dim, vocab from a config.json dict."""
@@ -132,6 +157,13 @@ def lora_param_count(facts: dict, rank: int, targets: list[str]) -> int:
     return n_layers * sum(rank * sum(shapes[t]) for t in targets if t in shapes)
 
 
+def largest_param(facts: dict, lora_rank: int | None = None) -> int:
+    """Elements of the largest trained parameter: the embedding (vocab x hidden; the untied head is as large), or
+    with LoRA the largest adapter matrix (rank x the widest of hidden, intermediate and the query width)."""
+    h, i, _, heads, _, hd, vocab = _shape(facts)
+    return lora_rank * max(h, i, heads * hd) if lora_rank else max(vocab * h, i * h)
+
+
 def kv_bytes_per_token(facts: dict, dtype_bytes: int) -> int:
     """K and V of every layer for one token: 2 * layers * kv_heads * head_dim * dtype bytes."""
     _, _, n_layers, _, kv, hd, _ = _shape(facts)
@@ -139,18 +171,57 @@ def kv_bytes_per_token(facts: dict, dtype_bytes: int) -> int:
 
 
 def trainer_state_bytes(params: int, dtype: str, zero_stage: int, world: int, offload_optimizer: bool = False,
-                        offload_params: bool = False) -> tuple[int, int]:
+                        offload_params: bool = False, largest: int = 0) -> tuple[int, int]:
     """(on the GPU, in host memory): weights, gradients and optimizer state of one rank. ZeRO stage 1 partitions the
     optimizer state over the ranks, stage 2 also the gradients, stage 3 also the weights. Offloading the optimizer
-    moves its state and the fp32 gradient partitions to the host (the GPU keeps the reduce bucket, counted apart);
-    offloading the weights moves them too (the layer being gathered is in OVERHEAD's ZeRO-3 share)."""
+    moves its state and the fp32 gradient partitions to the host (offload_host_bytes; `largest`: the largest
+    trained parameter's elements); what the GPU still holds of the gradients then lives only while a step
+    accumulates (zero_buffer_bytes). Offloading the weights moves them too (the layer being gathered is in
+    OVERHEAD's ZeRO-3 share)."""
     w, g, opt = STATE_BYTES[dtype]
+    if offload_optimizer:
+        weights = params * w if zero_stage < 3 else math.ceil(params * w / world)
+        host = offload_host_bytes(params, largest, dtype, zero_stage, world, offload_params)
+        return (0 if offload_params else weights), host
     w, g, opt = params * w, params * g, params * opt
     w = w if zero_stage < 3 else w / world
     g = g if zero_stage < 2 else g / world
     opt = opt if zero_stage < 1 else opt / world
-    host = (g + opt if offload_optimizer else 0) + (w if offload_params else 0)
+    host = w if offload_params else 0
     return math.ceil(w + g + opt - host), math.ceil(host)
+
+
+def offload_host_bytes(params: int, largest: int, dtype: str, zero_stage: int, world: int,
+                       offload_params: bool = False, pin: bool = True) -> int:
+    """Host memory of one rank with trainer.offload.optimizer=cpu, from DeepSpeed 0.19.8's buffers (read line by line:
+    runtime/zero/stage_1_and_2.py, stage3.py) for the rank's partition of P = params / world fp32 elements:
+
+    - fp32 master weights (4P) and Adam's moments (8P, created by torch's AdamW: not pinned);
+    - the fp32 gradient partition the step reads (4P, pinned);
+    - stage 1/2: the model-dtype copy of the updated partition that goes back to the GPU (b * P, pinned and held),
+      the largest parameter's gradient staging buffer (b * largest, pinned), and with fp32 weights (gradients then
+      accumulate in the weights' dtype) a host accumulator per parameter of the partition (about 4P: whole
+      parameters, each pinned on its own, rounding not counted); the master weights are pinned too;
+    - stage 3: the fp32 gradient accumulation buffer (4P, pinned: DeepSpeed puts it on the host when offloading)
+      and, unless the weights are offloaded too, the model-dtype copy of one optimizer sub-group that the blocking
+      host-to-GPU copy makes (torch converts on the CPU first; a transient of at most SUB_GROUP elements, from
+      torch's copy semantics, not read in source here); offloaded weights: b * P pinned.
+    - the optimizer step's temporaries: none, with the fused CPU AdamW the actor uses (gapo.trainer.actor.adamw;
+      torch's single-tensor AdamW would add 8P, measured in docs/PERFORMANCE.md section 12).
+
+    Pinned tensors are counted as the caching host allocator rounds them (pinned_bytes; `pin`=False: as on the CPU,
+    where the actor pins nothing): GPU only, unverified."""
+    b = DTYPE_BYTES[dtype]
+    part = math.ceil(params / world)
+    pinned = pinned_bytes if pin else int
+    host = 8 * part + pinned(4 * part)  # Adam's moments, the fp32 gradient partition
+    if zero_stage < 3:  # master weights, the updated partition's staging copy, the largest gradient's staging
+        host += pinned(4 * part) + pinned(b * part) + pinned(b * largest)
+        host += 4 * part if dtype == "float32" else 0
+    else:  # master weights (not pinned at stage 3), the gradient accumulation buffer, weights or their transient
+        host += 4 * part + pinned(4 * part)
+        host += pinned(b * part) if offload_params else b * min(part, SUB_GROUP)
+    return host
 
 
 def activation_bytes(facts: dict, tokens: int, seq_len: int, dtype_bytes: int,
@@ -183,13 +254,13 @@ class MemoryPlan:
     kv_cache_needed: int  # every sequence of this rank's step at full length, at once
     kv_one_sequence: int  # one sequence of max_model_len: vLLM refuses to start with less
     trainer_states: int
-    host_states: int  # what trainer.offload keeps in host memory instead (not in the GPU's peak)
+    host_states: int  # what trainer.offload keeps in host memory instead, with its buffers (not in the GPU's peak)
     activations: int
     attention_mask: int
     logits: int
-    reduce_bucket: int  # ZeRO's gradient reduce bucket: allocated once and held for the whole run, both phases
-    zero_buffers: int  # at each optimizer step a flat fp32 copy of the rank's gradients and the optimizer's
-    # temporary of the same size (ZeRO-2/3 on several ranks; 0 otherwise)
+    reduce_bucket: int  # ZeRO's gradient reduce bucket (and offload's staging buffer): held for the whole run
+    zero_buffers: int  # while a step accumulates and at the optimizer step: AdamW's temporary, gradient copies and
+    # buffers that only exist then (zero_buffer_bytes)
     overhead: int = OVERHEAD
     split: bool = False  # split placement: a training rank's plan, no engine on its GPU
 
@@ -250,8 +321,9 @@ def memory_plan(cfg: Config, facts: dict, world: int, device_gb: float = 80.0) -
     # With LoRA only the adapters have gradients and optimizer state; the frozen base weights are held in the
     # model's dtype (partitioned at stage 3, on the host when the weights are offloaded).
     trained = lora_param_count(facts, m.lora.rank, m.lora.target_modules) if m.lora else params
+    largest = largest_param(facts, m.lora.rank if m.lora else None)
     states, host = trainer_state_bytes(trained, m.dtype, stage, world, offload.optimizer == "cpu",
-                                       offload.params == "cpu")
+                                       offload.params == "cpu", largest)
     if m.lora:
         frozen = math.ceil(weights / (world if stage == 3 else 1))
         states, host = (states, host + frozen) if offload.params == "cpu" else (states + frozen, host)
@@ -272,19 +344,41 @@ def memory_plan(cfg: Config, facts: dict, world: int, device_gb: float = 80.0) -
         host_states=host,
         activations=activations, attention_mask=mask,
         logits=LOGIT_CHUNK * vocab * b + vocab * facts["hidden_size"] * b,
-        **zero_buffer_bytes(trained, stage, world, offload.optimizer == "cpu"))
+        **zero_buffer_bytes(trained, stage, world, offload.optimizer == "cpu", m.dtype, largest))
 
 
-def zero_buffer_bytes(params: int, zero_stage: int, world: int, offload: bool = False) -> dict[str, int]:
-    """reduce_bucket: REDUCE_BUCKET fp32 elements (or all the gradients if fewer), which DeepSpeed allocates when
-    the engine is built and keeps, so it is there while vLLM generates too (with an offloaded optimizer it is the
-    staging buffer to the host, one rank included); zero_buffers: per optimizer step on the GPU, the flattened fp32
-    gradient partition and the fused AdamW's temporary of the same size (on the host when offloaded)."""
+def zero_buffer_bytes(params: int, zero_stage: int, world: int, offload: bool = False, dtype: str = "bfloat16",
+                      largest: int = 0) -> dict[str, int]:
+    """GPU buffers of DeepSpeed 0.19.8 and torch 2.13's AdamW beyond the states, for `params` trained parameters
+    (`largest`: the largest one's elements), read in their source (runtime/engine.py picks the optimizer wrapper,
+    runtime/zero/stage_1_and_2.py, stage3.py, runtime/bf16_optimizer.py, torch/optim/adam.py); P = params / world
+    at stage >= 1, params at stage 0. GPU only: unverified on a GPU.
+
+    reduce_bucket, held from the engine's build on (so while vLLM generates too): REDUCE_BUCKET fp32 elements (or
+    all the gradients if fewer) on several ranks at stage >= 2 and with an offloaded optimizer (one rank included);
+    offloaded at stage 1/2, also the largest parameter's gradient staging buffer (model dtype).
+
+    zero_buffers, while a step accumulates and at the optimizer step (the training phase):
+    - not offloaded: AdamW on CUDA tensors takes torch's foreach path, whose sqrt(exp_avg_sq) is a full fp32 copy
+      of what it steps (4P; at stage 3 one sub-group at a time); plus the flat fp32 gradient the step reads where
+      it is a copy (4P: stage 3's step buffer, and fp32 weights at stage 1/2; in bf16 at stage 2 it is a view of
+      the fp32 accumulation partition), and in bf16 at stage 1 (DeepSpeed's BF16_Optimizer, one bf16 rank
+      included) the bf16 gradients autograd writes, kept until the step (immediate_grad_update is off: 2 * params).
+    - offloaded: the trainer states keep no gradients on the GPU, but in bf16 with fp32 accumulation stage 1/2 sum
+      the step's gradients in an fp32 partition on the GPU (the `compact` buffer, built at the first reduction and
+      freed at the step: 4P) before copying it to the host; stage 1 also holds each parameter's fp32 gradient
+      until the boundary (4 * params, fp32 weights too). Stage 3 accumulates on the host (offload_host_bytes)."""
+    b = DTYPE_BYTES[dtype]
+    part = math.ceil(params / world) if zero_stage >= 1 else params
+    bucket = min(REDUCE_BUCKET, params) * 4
     if offload:
-        return {"reduce_bucket": min(REDUCE_BUCKET, params) * 4, "zero_buffers": 0}
-    if world == 1 or zero_stage < 2:
-        return {"reduce_bucket": 0, "zero_buffers": 0}
-    return {"reduce_bucket": min(REDUCE_BUCKET, params) * 4, "zero_buffers": 2 * math.ceil(params / world) * 4}
+        held = bucket + (b * largest if zero_stage < 3 else 0)
+        step = (4 * params if zero_stage == 1 else 0) + (4 * part if zero_stage < 3 and dtype == "bfloat16" else 0)
+        return {"reduce_bucket": held, "zero_buffers": step}
+    stepped = min(part, SUB_GROUP) if zero_stage == 3 else part
+    flat = 4 * stepped if zero_stage == 3 or (zero_stage >= 1 and dtype == "float32") else 0
+    low = 2 * params if zero_stage == 1 and dtype == "bfloat16" else 0
+    return {"reduce_bucket": bucket if world > 1 and zero_stage >= 2 else 0, "zero_buffers": 4 * stepped + flat + low}
 
 
 def format_plan(plan: MemoryPlan, device_gb: float) -> str:

@@ -258,7 +258,9 @@ def test_the_one_gpu_recipe_fits_24_and_48_gb_and_prices_its_host_memory():
     for gb in (24, 48):
         plan = memory_plan(cfg, facts, world=1, device_gb=gb)
         assert plan.fits(gb) and plan.zero_stage == 2, (gb, plan.total / GiB)
-        assert 20 < plan.host_states / GiB < 26  # fp32 master + Adam moments + fp32 gradients of 1.54 B params
+        # fp32 master + Adam moments + fp32 gradients of 1.54 B params, bf16 staging copies, pinned blocks rounded up
+        # (tests/test_memory.py has every term by hand)
+        assert 30 < plan.host_states / GiB < 34
     full = memory_plan(load_config("qwen_math"), facts, world=1, device_gb=48)
     assert not full.fits(48) and full.host_states == 0
     table = offload_table(cfg, 1, [24.0, 48.0]).splitlines()

@@ -180,9 +180,112 @@ def test_zero3_buffers_are_planned():
         plan.vllm_total + plan.trainer_states + plan.activations + plan.attention_mask + plan.logits + plan.overhead)
     text = format_plan(plan, 80)
     assert "ZeRO reduce bucket (held)" in text and "ZeRO step buffers" in text
-    # one rank: nothing reduced, nothing partitioned
-    assert zero_buffer_bytes(p, zero_stage=0, world=1) == {"reduce_bucket": 0, "zero_buffers": 0}
-    assert memory_plan(cfg, QWEN, world=1).reduce_bucket == memory_plan(cfg, QWEN, world=1).zero_buffers == 0
+    # one rank: nothing reduced (no bucket), but the optimizer step still has its temporaries (next test)
+    assert zero_buffer_bytes(p, zero_stage=0, world=1, dtype="float32")["reduce_bucket"] == 0
+    assert memory_plan(cfg, QWEN, world=1).reduce_bucket == 0
+
+
+def test_one_rank_plans_the_optimizer_steps_temporaries():
+    """AdamW on CUDA tensors runs torch's foreach path, whose sqrt(exp_avg_sq) is a full fp32 copy of what it steps
+    (torch/optim/adam.py, _multi_tensor_adam); the plan once counted nothing for it on one rank. In bf16 one rank runs
+    DeepSpeed's BF16_Optimizer (stage 1), which also keeps the bf16 gradients until the step. By hand for
+    Qwen2.5-Math-1.5B: 1,543,714,304 parameters."""
+    from gapo.memory import zero_buffer_bytes
+
+    n = 1_543_714_304
+    assert param_count(QWEN) == n
+    bf16 = memory_plan(load_config("qwen_math"), QWEN, world=1)  # bf16 on one rank: stage 1
+    assert bf16.zero_stage == 1
+    assert bf16.zero_buffers == 6_174_857_216 + 3_087_428_608  # fp32 sqrt copy (4 n) + bf16 gradients (2 n)
+    fp32 = memory_plan(load_config("qwen_math", ["model.dtype=float32"]), QWEN, world=1)  # stage 0
+    assert fp32.zero_stage == 0 and fp32.zero_buffers == 6_174_857_216
+    assert bf16.training - bf16.zero_buffers == (bf16.vllm_total + bf16.trainer_states + bf16.activations
+                                                 + bf16.attention_mask + bf16.logits + bf16.overhead)
+    # several ranks: the temporary is the partition's; a flat fp32 gradient copy where the step makes one
+    part = n // 4  # 385,928,576
+    assert zero_buffer_bytes(n, 2, 4, dtype="bfloat16")["zero_buffers"] == 4 * part  # the step reads a view
+    assert zero_buffer_bytes(n, 2, 4, dtype="float32")["zero_buffers"] == 8 * part
+    assert zero_buffer_bytes(n, 1, 4, dtype="float32")["zero_buffers"] == 8 * part
+    assert zero_buffer_bytes(n, 1, 4, dtype="bfloat16")["zero_buffers"] == 4 * part + 2 * n
+    assert zero_buffer_bytes(n, 3, 4, dtype="bfloat16")["zero_buffers"] == 8 * part
+    assert zero_buffer_bytes(4_000_000_000, 3, 2, dtype="bfloat16")["zero_buffers"] == 8 * 10**9  # one sub-group
+
+
+def test_pinned_host_blocks_round_up_to_a_power_of_two():
+    from gapo.memory import pinned_bytes
+
+    assert [pinned_bytes(x) for x in (0, 1, 4096, 4097, 3 * 2**20)] == [0, 1, 4096, 8192, 4 * 2**20]
+    assert pinned_bytes(6_174_857_216) == 8 * GiB  # Qwen2.5-Math-1.5B's fp32 partition on one rank
+
+
+def test_one_gpu_offload_by_hand_for_qwen_math():
+    """configs/qwen_math_1gpu.yaml: ZeRO-2 on one rank, optimizer offloaded, bf16. Every term by hand from
+    DeepSpeed 0.19.8's buffers (gapo/memory.py offload_host_bytes, zero_buffer_bytes): n = 1,543,714,304 parameters,
+    the largest the 151,936 x 1,536 embedding (233,373,696). The plan said 23 GiB of host memory; the issue
+    estimated ~40 GB with torch's single-tensor AdamW."""
+    from gapo.memory import REDUCE_BUCKET, offload_host_bytes
+
+    cfg = load_config("qwen_math_1gpu")
+    plan = memory_plan(cfg, QWEN, world=1, device_gb=24)
+    n, emb = 1_543_714_304, 151_936 * 1_536
+    assert (plan.zero_stage, plan.dtype) == (2, "bfloat16")
+    # host: Adam's moments 8n (not pinned), fp32 gradient partition 4n and fp32 master weights 4n (pinned: 8 GiB
+    # blocks each), the bf16 copy of the updated weights 2n (pinned: 4 GiB) and the largest gradient's bf16
+    # staging buffer (pinned: 512 MiB); no step temporaries with the fused AdamW.
+    assert plan.host_states == 12_349_714_432 + 2 * 8 * GiB + 4 * GiB + 512 * 2**20 == 34_361_421_824  # 32.0 GiB
+    assert offload_host_bytes(n, emb, "bfloat16", 2, 1, pin=False) == 18 * n + 2 * emb  # unrounded, as on CPU
+    # GPU: the bf16 weights as states; the held bucket plus the largest gradient's bf16 staging buffer; while a
+    # step accumulates, the fp32 partition bf16 runs accumulate in (4 n) before it is copied to the host: the
+    # 4 bytes per parameter the plan left out with offload.
+    assert plan.trainer_states == 2 * n
+    assert plan.reduce_bucket == REDUCE_BUCKET * 4 + 2 * emb
+    assert plan.zero_buffers == 4 * n == 6_174_857_216
+    assert plan.training == (plan.trainer_states + plan.activations + plan.attention_mask + plan.logits
+                             + plan.reduce_bucket + 4 * n + plan.overhead)  # vLLM asleep
+    assert "32.0  per rank" in format_plan(plan, 24)
+    # fp32 weights accumulate their gradients in their own dtype: no GPU partition, a host accumulator instead
+    fp32 = memory_plan(load_config("qwen_math_1gpu", ["model.dtype=float32"]), QWEN, world=1)
+    assert fp32.zero_buffers == 0
+    assert offload_host_bytes(n, emb, "float32", 2, 1, pin=False) == 24 * n + 4 * emb
+    # ZeRO-1 (several ranks) also keeps each parameter's fp32 gradient on the GPU until the step's boundary
+    stage1 = memory_plan(load_config("qwen_math_1gpu", ["trainer.zero_stage=1"]), QWEN, world=2)
+    assert stage1.zero_stage == 1 and stage1.zero_buffers == 4 * n + 4 * (n // 2)
+
+
+def test_offloaded_weights_by_hand_for_qwen_math():
+    """optimizer + params offloaded (ZeRO-3, one rank): stage 3 accumulates gradients on the host, so the GPU keeps
+    no gradient partition; the host holds the fp32 gradient and accumulation buffers (pinned), the fp32 master
+    weights (not pinned at stage 3), Adam's moments and the bf16 weights (pinned)."""
+    from gapo.memory import REDUCE_BUCKET
+
+    cfg = load_config("qwen_math_1gpu", ["trainer.offload.params=cpu"])
+    plan = memory_plan(cfg, QWEN, world=1, device_gb=24)
+    n = 1_543_714_304
+    assert plan.zero_stage == 3
+    assert plan.host_states == 12_349_714_432 + 8 * GiB + 6_174_857_216 + 8 * GiB + 4 * GiB
+    assert plan.trainer_states == 0 and plan.zero_buffers == 0
+    assert plan.reduce_bucket == REDUCE_BUCKET * 4
+    # weights on the GPU: the blocking host-to-GPU copy of the updated weights converts on the host first (2 n)
+    cfg3 = load_config("qwen_math_1gpu", ["trainer.zero_stage=3"])
+    kept = memory_plan(cfg3, QWEN, world=2)
+    half = n // 2
+    assert kept.zero_stage == 3 and kept.trainer_states == half * 2
+    assert kept.host_states == 8 * half + 4 * GiB + 4 * half + 4 * GiB + 2 * half
+
+
+@pytest.mark.parametrize("placement, given, share", [
+    ("colocated", None, 0.5), ("split", None, 0.9), ("split", 0.7, 0.7), ("colocated", 0.8, 0.8)])
+def test_a_split_generator_takes_most_of_its_gpu_by_default(placement, given, share):
+    """A generator in split placement has its GPU to itself: left unset, its vLLM share is 0.9 (vLLM's own
+    default), not the colocated 0.5 that leaves half of a GPU idle; a value given is kept."""
+    over = [f"rollout.placement={placement}"] + (["rollout.generator_ranks=1"] if placement == "split" else [])
+    if given is not None:
+        over.append(f"rollout.gpu_memory_utilization={given}")
+    cfg = load_config("tiny_cpu", over)
+    assert cfg.rollout.gpu_memory_utilization == share
+    # the paper's config leaves it unset (null), so its split runs get the generator's share too
+    paper = load_config("qwen_math", over)
+    assert paper.rollout.gpu_memory_utilization == share
 
 
 

@@ -1,10 +1,12 @@
 """Verified weight sync (gapo/trainer/sync.py): what a push's receipt must show, the version check, the mismatch
-alarm; and the three sync faults (a dropped tensor, a stale one, a skipped push) stopping real tiny runs (vLLM CPU
-engine, DeepSpeed on gloo, 1 and 2 ranks) with a message naming the tensor or the version."""
+alarm, the bf16 probe's calibration (a stand-in engine); and the three sync faults (a dropped tensor, a stale one,
+a skipped push) stopping real tiny runs (vLLM CPU engine, DeepSpeed on gloo, 1 and 2 ranks) with a message naming the
+tensor or the version."""
 
 import math
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from gapo.rollout.types import PushReceipt, Rollout
@@ -57,6 +59,97 @@ def test_the_mismatch_alarm_sounds_on_a_jump_over_its_running_median_and_floor()
     assert message.startswith("step 6: the sampler/trainer log-prob mismatch jumped to kl_k3 2e-06")
     assert "weights in the sampler likely differ" in message
     assert alarm.check(7, 3e-9) is None  # back to normal
+
+
+class StandIn:
+    """An engine and an actor in one, for sync.push without vLLM or DeepSpeed: every push is received whole, and the
+    probe's engine log-probs sit `gap` above the trainer's on each of its tokens (the push's probe difference)."""
+
+    device = "cpu"
+
+    def __init__(self):
+        self.version, self.gap = 0, 0.0
+
+    # the engine's side
+    def push_weights(self, weights, version: int) -> PushReceipt:
+        self.version = version
+        return PushReceipt([name for name, _ in weights], [])
+
+    def generate(self, prompts, sampling, seeds):
+        return [[Rollout(prompt_ids=p, response_ids=[3] * 16, logprobs=[-1.0] * 16, truncated=True, text="",
+                         version=self.version)] for p in prompts]
+
+    # the actor's side
+    def gathered_weights(self):
+        yield from ((name, torch.zeros(1)) for name in SENT)
+
+    def pushed_names(self) -> list[str]:
+        return list(SENT)
+
+    def engine(self, mb, temperature: float):
+        return mb.engine_logp - self.gap, None
+
+
+def probe_for(dtype: str, *overrides: str) -> sync.Probe:
+    from gapo.config import load_config
+
+    cfg = load_config("configs/tiny_cpu.yaml", [f"model.dtype={dtype}", *overrides])
+    return sync.Probe.of(lambda text: {"input_ids": [1, 2, 3]}, cfg, pad_id=0)
+
+
+def pushes(probe: sync.Probe, gaps: list[float]) -> list[float]:
+    """Push once per gap (versions 1, 2, ...); the probe differences measured, until a push stops the run."""
+    both, out = StandIn(), []
+    for version, gap in enumerate(gaps, 1):
+        both.gap = gap
+        out.append(sync.push(both, both, version, probe).probe_diff)
+    return out
+
+
+def test_a_bf16_probe_calibrates_on_the_first_push_and_holds_later_pushes_to_it(one_rank):
+    # a first difference of 0.08 is bf16 kernel noise on some models (SmolLM2-135M: up to 0.054 against fp32), not a
+    # fault: it passes and sets the limit for later pushes to 10x, capped at the ceiling
+    probe = probe_for("bfloat16")
+    assert (probe.calibrating, probe.tolerance) == (True, sync.BF16_CEILING)
+    assert pushes(probe, [0.08, 0.2, 0.12]) == pytest.approx([0.08, 0.2, 0.12])
+    assert (probe.calibrating, probe.tolerance) == (False, sync.BF16_CEILING)
+    with pytest.raises(sync.SyncError, match=r"rank 0: .* differ from the trainer's by 0.3 on average \(limit 0.25, "
+                                             r"rollout.push_tolerance unset: calibrated on the push of step 1, 10x "
+                                             r"its 0.08 within \[0.05, 0.25\]\): after the push of step 1"):
+        pushes(probe, [0.3])
+    # a quiet first push (the CPU engine: ~6e-4) tightens it, never below the floor
+    probe = probe_for("bfloat16")
+    pushes(probe, [4e-3])
+    assert probe.tolerance == pytest.approx(sync.BF16_FLOOR)
+    probe = probe_for("bfloat16")
+    pushes(probe, [1e-2, 0.09])
+    assert probe.tolerance == pytest.approx(0.1)
+    with pytest.raises(sync.SyncError, match=r"by 0.11 on average \(limit 0.1, rollout.push_tolerance unset: "
+                                             r"calibrated on the push of step 1"):
+        pushes(probe, [0.11])
+
+
+def test_a_gross_fault_on_the_first_bf16_push_is_not_calibrated_away(one_rank):
+    # one zeroed or random tensor moved the probe by 0.18 to 2.2 (sync.BF16_CALIBRATION's comment)
+    probe = probe_for("bfloat16")
+    with pytest.raises(sync.SyncError, match=r"by 0.9 on average \(limit 0.25, rollout.push_tolerance unset: "
+                                             r"bf16's limit for the first push, before calibration\)"):
+        pushes(probe, [0.9])
+    assert probe.calibrating  # nothing was learnt from a push that failed
+
+
+def test_a_push_tolerance_set_by_the_user_is_a_hard_limit_from_the_first_push_on(one_rank):
+    probe = probe_for("bfloat16", "rollout.push_tolerance=1e-3")
+    assert not probe.calibrating
+    pushes(probe, [5e-4, 9e-4])
+    assert probe.tolerance == 1e-3  # not recalibrated by the first push
+    with pytest.raises(sync.SyncError, match=r"by 0.002 on average \(limit 0.001, rollout.push_tolerance\)"):
+        pushes(probe, [2e-3])
+    # fp32 keeps its measured fixed limit
+    probe = probe_for("float32")
+    assert (probe.calibrating, probe.tolerance) == (False, 1e-4)
+    with pytest.raises(sync.SyncError, match=r"limit 0.0001, rollout.push_tolerance unset: fp32's"):
+        pushes(probe, [5e-5, 2e-4])
 
 
 @pytest.mark.dist

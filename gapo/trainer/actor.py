@@ -23,7 +23,7 @@ from gapo.trainer import logprobs
 from gapo.trainer.logprobs import MicroBatch, response_logprobs
 
 if TYPE_CHECKING:
-    from gapo.config import Config
+    from gapo.config import Config, TrainerConfig
 
 log = logging.getLogger("gapo.actor")
 
@@ -108,6 +108,19 @@ def logit_chunks(cfg: Config) -> int:
     return max(1, math.ceil(tokens / logprobs.LOGIT_CHUNK))
 
 
+def adamw(params: list[torch.nn.Parameter], t: TrainerConfig) -> torch.optim.AdamW:
+    """The actor's AdamW. With trainer.offload.optimizer=cpu DeepSpeed steps it on the rank's whole fp32 partition,
+    one flat host tensor: torch's default there (CPU tensors: neither fused nor foreach) is the single-tensor path,
+    whose `exp_avg_sq.sqrt() / bias_correction` makes two temporaries of the partition (+8 bytes per parameter of
+    host memory at the step: 11.5 GiB for Qwen2.5-Math-1.5B on one GPU). torch 2.13's fused CPU AdamW updates in place
+    (measured: no growth, and 8.7x faster; docs/PERFORMANCE.md section 12) and needs no build, unlike DeepSpeed's
+    CPU Adam (a 45-76 s JIT compile); its update equals the single-tensor one to float rounding
+    (tests/test_offload_adamw.py). Without offload the default stays: foreach on CUDA, whose temporary
+    (sqrt of exp_avg_sq, 4 bytes per parameter) gapo/memory.py counts."""
+    return torch.optim.AdamW(params, lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay,
+                             fused=True if t.offload.optimizer == "cpu" else None)
+
+
 class _Schedule(torch.optim.lr_scheduler.LambdaLR):
     """A LambdaLR that stays put while `skip` is set. DeepSpeed steps the scheduler unless its optimizer reports
     an overflow, which the plain AdamW of stage 0 never does: a skipped step there would advance the schedule
@@ -151,8 +164,8 @@ class Actor:
         }
         o = t.offload
         if o.optimizer == "cpu":
-            # Pinned host buffers need CUDA; the step runs our torch AdamW on the host partitions (DeepSpeed asks for
-            # its CPU Adam op by default, a JIT build; GPU only: unverified here).
+            # Pinned host buffers need CUDA; the step runs our fused torch AdamW on the host partitions (`adamw`;
+            # DeepSpeed asks for its CPU Adam op by default, a JIT build; GPU only: unverified here).
             pin = torch.cuda.is_available()
             ds_config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
             if o.params == "cpu":
@@ -182,7 +195,7 @@ class Actor:
             model = with_lora(model, cfg.model.lora)
         # Only what trains is in the optimizer (with LoRA, the adapters; the base weights are frozen).
         trainable = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(trainable, lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay)
+        optimizer = adamw(trainable, t)
         # DeepSpeed's ZeRO and bf16 optimizers skip a step whose gradient norm is not finite; at stage 0 it
         # would apply it. There the step is skipped here (before the scheduler wraps `step`), decided in
         # backward() from the gradient norm, which is the same on every rank.
@@ -348,13 +361,74 @@ def with_lora(model: torch.nn.Module, lora) -> torch.nn.Module:
         # merged, the head would no longer equal the embedding it is tied to, and the engine keeps only one of them
         raise ConfigError("model.lora.target_modules adapts the output head, which this model ties to its input "
                          "embedding: leave it out")
+    if model.dtype != torch.float32:
+        compute_with_merged_weights(model)
     return model
 
 
 def merged_weight(layer: torch.nn.Module) -> Tensor:
     """A PEFT LoRA linear layer's weight with its adapter folded in: W + scale * B @ A (PEFT's own merge, computed
-    in fp32 and cast to W's dtype). The layer's parameters must be gathered (ZeRO-3)."""
+    in fp32 and cast to W's dtype). What the engine gets, and in bf16 also what the trainer computes with
+    (compute_with_merged_weights). The layer's parameters must be gathered (ZeRO-3)."""
     w = layer.base_layer.weight
     a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
     delta = (b.float() @ a.float()) * layer.scaling["default"]
     return (w.float() + delta).to(w.dtype)
+
+
+def compute_with_merged_weights(model: torch.nn.Module) -> None:
+    """Make every LoRA layer of `model` compute with merged_weight, the very tensor the push sends, instead of PEFT's
+    base(x) + scale * B(A(x)).
+
+    Why: in bf16 the two round in different places (PEFT rounds Wx, the adapter's output and their sum; the merge
+    rounds W + scale * B @ A once), so no merged weight equals PEFT's forward and the sampler would compute another
+    policy than the trainer. Both drop an adapter update below about half a bf16 step, each in its own way (measured
+    on tiny-qwen2: PEFT keeps no more of a small update than the merge). With this the trainer's policy is the
+    engine's, up to kernels, as in full bf16 fine-tuning, where the bf16 weights also lag the fp32 master copy.
+    The gradient is LoRA's, taken at the merged weight (the rounding passed straight through); in fp32 the merge is
+    exact to ~1e-7 and PEFT's forward is kept.
+
+    Under ZeRO-3 the layer's forward no longer calls the modules that own its base weight and adapters, so they are
+    registered as the layer's external parameters: DeepSpeed gathers them when the layer is called and again for its
+    backward, where W' is recomputed (DeepSpeed would also register them on their first access in a forward; this
+    does not rely on it). Not a z3 leaf module: DeepSpeed reduces a leaf's gradients once per call, and a forward that
+    shares prompts calls every layer twice, which its gradient reduction refuses (measured: an assertion in stage3.py
+    on the first backward of tiny_cpu in bf16 on 2 ranks)."""
+    import deepspeed
+    from peft.tuners.lora import Linear as LoraLinear
+
+    for layer in [m for m in model.modules() if isinstance(m, LoraLinear)]:
+        layer.forward = types.MethodType(_merged_forward, layer)
+        for p in (layer.base_layer.weight, layer.base_layer.bias, layer.lora_A["default"].weight,
+                  layer.lora_B["default"].weight):
+            if p is not None:
+                deepspeed.zero.register_external_parameter(layer, p)
+
+
+def _merged_forward(layer: torch.nn.Module, x: Tensor, *args, **kwargs) -> Tensor:
+    return _MergedLoraLinear.apply(x, layer.lora_A["default"].weight, layer.lora_B["default"].weight, layer)
+
+
+class _MergedLoraLinear(torch.autograd.Function):
+    """y = x W'^T + bias with W' = merged_weight(layer); gradients to x, A and B (the base is frozen).
+
+    W' is recomputed in backward rather than saved: saved, every adapted layer would hold a full copy of its weight
+    from forward to backward, which under ZeRO-3 undoes the partitioning. The adapters' gradients are LoRA's
+    low-rank products, scale * g^T (x A^T) and scale * (g B)^T x, never the full dL/dW' (one weight-sized GEMM more).
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, a: Tensor, b: Tensor, layer: torch.nn.Module) -> Tensor:
+        ctx.layer = layer
+        ctx.save_for_backward(x, a, b)
+        return torch.nn.functional.linear(x, merged_weight(layer), layer.base_layer.bias)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, a, b = ctx.saved_tensors
+        scale = ctx.layer.scaling["default"]
+        g, xs = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1]).to(grad.dtype)
+        grad_x = grad @ merged_weight(ctx.layer).to(grad.dtype) if ctx.needs_input_grad[0] else None
+        grad_a = ((g @ b.to(g.dtype)).T @ xs * scale).to(a.dtype) if ctx.needs_input_grad[1] else None
+        grad_b = (g.T @ (xs @ a.to(g.dtype).T) * scale).to(b.dtype) if ctx.needs_input_grad[2] else None
+        return grad_x, grad_a, grad_b, None

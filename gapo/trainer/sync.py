@@ -11,7 +11,9 @@ Three checks, from cheapest to strongest:
   parameters hold: on CPU vLLM repacks linear weights for oneDNN and empties the parameters (so digests of them,
   vLLM's compute_weight_checksums, see nothing), and a probe is two tiny forwards on any device. Its limit: in bf16 a
   tensor left one step stale moves the probe by less than bf16's own engine/trainer noise; the names and versions
-  still hold there, and a gross fault (zeroed, missing, another model's) is far above the tolerance.
+  still hold there, and a gross fault (zeroed, missing, another model's) is far above the tolerance. In bf16 the
+  tolerance is calibrated on the process's first verified push (Probe), since engine and trainer kernels differ by
+  an amount no fixed number fits on every model and device.
 
 Between pushes, an alarm watches the step's sampler/trainer mismatch (logprob_mismatch/kl_k3): a jump above its
 running median is what a silently failed sync looks like from the outside.
@@ -19,6 +21,7 @@ running median is what a silently failed sync looks like from the outside.
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 import time
@@ -38,11 +41,20 @@ PROBE_TOKENS = 16
 PROBE_SEED = 1_203_2026
 # Mean |engine - trainer| log-prob over the probe's tokens that a good push stays under. float32, measured on CPU:
 # 2e-7 to 4e-7 on tiny-qwen2 and 9e-6 on SmolLM2-135M (the demo) after good pushes; one tensor of tiny-qwen2 left one
-# step stale gave 5e-5 at lr 1e-4 and 5e-4 at lr 1e-3 (tests/test_sync.py). bfloat16: an allowance for bf16
-# kernels, not measured (no GPU here). A stale tensor whose step moved log-probs by less than this passes the probe:
-# the versions and names still hold, and the mismatch alarm watches the next step.
-TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2}
+# step stale gave 5e-5 at lr 1e-4 and 5e-4 at lr 1e-3 (tests/test_sync.py). A stale tensor whose step moved log-probs
+# by less than this passes the probe: the versions and names still hold, and the mismatch alarm watches the next step.
+TOLERANCE = {"float32": 1e-4}
+# bfloat16 has no fixed tolerance: the process's first verified push sets it to BF16_CALIBRATION x its probe
+# difference, kept within [BF16_FLOOR, BF16_CEILING]; that first push must itself stay under BF16_CEILING. Measured
+# on CPU (HF forwards, 16 tokens sampled at temperature 1 from the probe, 8 seeds): a bf16 forward differs from the
+# fp32 one by 0.004-0.014 on tiny-qwen2 and 0.025-0.054 on SmolLM2-135M (so a fixed 5e-2 could stop a good run), while
+# one zeroed or random tensor (a q_proj or down_proj) moved the probe by 0.18-2.2 and 0.35-2.1; vLLM CPU against the
+# trainer with the same bf16 weights: 7e-6 to 8e-4 (tiny-qwen2). The floor is the former fixed limit, so calibration
+# never tightens it.
+BF16_CALIBRATION, BF16_FLOOR, BF16_CEILING = 10.0, 5e-2, 0.25
 ALARM_FLOOR = {"float32": 1e-8, "bfloat16": 1e-3}  # logprob_mismatch/kl_k3 below this never alarms
+
+log = logging.getLogger("gapo.sync")
 
 
 class SyncError(RuntimeError):
@@ -51,19 +63,49 @@ class SyncError(RuntimeError):
 
 @dataclass
 class Probe:
-    """A fixed prompt, sampled by the engine and scored by the trainer after a push."""
+    """A fixed prompt, sampled by the engine and scored by the trainer after a push.
+
+    `tolerance` is a hard limit. Set by the user (rollout.push_tolerance) or in fp32 it never changes. In bf16 without
+    one, `calibrating` is on until the first verified push: that push is held to BF16_CEILING only (a gross fault),
+    and its difference then sets the limit for every later push (`check`). Why the first push and not a fixed
+    number: the engine's and the trainer's bf16 kernels differ by an amount that depends on the model and the device
+    (measured 5e-4 to 5e-2, see BF16_CALIBRATION), and the probe's fixed prompt and seed sample much the same tokens
+    push after push, so a good push stays near the first one's difference while a broken tensor jumps far above it.
+    """
 
     prompt_ids: list[int]
     sampling: SamplingConfig
     pad_id: int
     tolerance: float
+    calibrating: bool = False
+    source: str = "rollout.push_tolerance"  # where `tolerance` came from, for the message of a push that fails it
 
     @classmethod
     def of(cls, tokenizer, cfg: Config, pad_id: int) -> Probe:
         # top_p 1: the engine's processed log-probs are then log_softmax(logits / T), which the trainer recomputes.
         sampling = SamplingConfig(n=1, temperature=cfg.rollout.temperature, top_p=1.0, max_new_tokens=PROBE_TOKENS)
-        return cls(tokenizer(PROBE_TEXT)["input_ids"], sampling, pad_id,
-                   cfg.rollout.push_tolerance or TOLERANCE[cfg.model.dtype])
+        ids = tokenizer(PROBE_TEXT)["input_ids"]
+        if cfg.rollout.push_tolerance is not None:
+            return cls(ids, sampling, pad_id, cfg.rollout.push_tolerance)
+        if cfg.model.dtype == "bfloat16":
+            return cls(ids, sampling, pad_id, BF16_CEILING, calibrating=True,
+                       source="rollout.push_tolerance unset: bf16's limit for the first push, before calibration")
+        return cls(ids, sampling, pad_id, TOLERANCE[cfg.model.dtype], source="rollout.push_tolerance unset: fp32's")
+
+    def check(self, diff: float, version: int) -> str | None:
+        """The problem with a push whose probe differed by `diff`, or None; a passing first bf16 push calibrates."""
+        if not diff <= self.tolerance:
+            return (f"the engine's log-probs of the probe differ from the trainer's by {diff:.3g} on average "
+                    f"(limit {self.tolerance:.3g}, {self.source}): after the push of step {version} the sampler does "
+                    "not compute with the trainer's weights")
+        if self.calibrating:
+            self.calibrating = False
+            self.tolerance = min(BF16_CEILING, max(BF16_FLOOR, BF16_CALIBRATION * diff))
+            self.source = (f"rollout.push_tolerance unset: calibrated on the push of step {version}, "
+                           f"{BF16_CALIBRATION:g}x its {diff:.3g} within [{BF16_FLOOR:g}, {BF16_CEILING:g}]")
+            log.info("bf16 push probe: limit %.3g for later pushes (%s; rollout.push_tolerance sets a fixed one)",
+                     self.tolerance, self.source)
+        return None
 
 
 @dataclass
@@ -86,10 +128,8 @@ def push(engine: Engine, actor: Actor, version: int, probe: Probe | None) -> Ver
     tic = time.perf_counter()
     problems = receipt_problems(receipt, actor.pushed_names())
     out.probe_diff = probe_diff(engine, actor, probe, version)  # every rank runs it: a ZeRO-3 forward is collective
-    if not problems and not out.probe_diff <= probe.tolerance:
-        problems.append(f"the engine's log-probs of the probe differ from the trainer's by {out.probe_diff:.3g} on "
-                        f"average (rollout.push_tolerance {probe.tolerance:g}): after the push of step {version} the "
-                        "sampler does not compute with the trainer's weights")
+    if not problems and (problem := probe.check(out.probe_diff, version)):
+        problems.append(problem)
     stop_together(problems, f"the weight push of step {version}")
     out.verify_s = time.perf_counter() - tic
     return out
