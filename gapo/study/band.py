@@ -119,6 +119,7 @@ class Bands:
     incorrect: BandCount
     runs: int
     legacy: bool  # some log had no off_policy flag: on-policy updates told apart by |s - 1|
+    k: int  # the largest group size seen
 
     @property
     def total(self) -> BandCount:
@@ -131,11 +132,16 @@ class Bands:
         return t
 
 
-def read_rollouts(run_dir: Path) -> list[dict]:
+def rollouts_log(run_dir: Path) -> Path:
     path = Path(run_dir) / rundir.ROLLOUTS
     if not path.is_file():
         raise PlotError(f"{run_dir}: no {rundir.ROLLOUTS} (set trainer.log_rollouts=true to log every rollout's "
                         "ratios; band counts are read from it)")
+    return path
+
+
+def read_rollouts(run_dir: Path) -> list[dict]:
+    path = rollouts_log(run_dir)
     lines = path.read_text(encoding="utf-8").splitlines()
     out = []
     for n, line in enumerate(lines, 1):
@@ -153,10 +159,11 @@ def read_rollouts(run_dir: Path) -> list[dict]:
 def count(run_dirs: list[Path], first: Rule, second: Rule) -> Bands:
     """Judge every off-policy decision logged in `run_dirs` under both rules."""
     correct: dict[int, BandCount] = {}
-    incorrect, legacy = BandCount(), False
+    incorrect, legacy, kmax = BandCount(), False, 0
     for d in run_dirs:
         for rec in read_rollouts(d):
             adv, c, k = float(rec["adv"]), int(rec["c"]), int(rec["k"])
+            kmax = max(kmax, k)
             if adv == 0:
                 continue  # no advantage, no gradient: neither bound acts
             for u in rec["updates"]:
@@ -170,7 +177,7 @@ def count(run_dirs: list[Path], first: Rule, second: Rule) -> Bands:
                         continue
                 cell = correct.setdefault(c, BandCount()) if adv > 0 else incorrect
                 cell.add(first.clips(s, adv, c, k), second.clips(s, adv, c, k))
-    return Bands(dict(sorted(correct.items())), incorrect, len(run_dirs), legacy)
+    return Bands(dict(sorted(correct.items())), incorrect, len(run_dirs), legacy, kmax or 8)
 
 
 def table(bands: Bands, first: Rule, second: Rule) -> list[str]:
@@ -203,6 +210,5 @@ def main(args) -> int:
     except (ConfigError, PlotError) as e:
         print(f"gapo-compare: error: {e}", file=sys.stderr)
         return 2
-    k = next((int(r["k"]) for r in read_rollouts(dirs[0])[:1]), 8)
-    print("\n".join([describe(first, k), describe(second, k), "", *table(bands, first, second)]))
+    print("\n".join([describe(first, bands.k), describe(second, bands.k), "", *table(bands, first, second)]))
     return 0

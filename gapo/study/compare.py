@@ -659,7 +659,7 @@ def band_tables(groups: dict[str, list[Run]]) -> list[str]:
     for lab, runs in groups.items():
         try:
             rules[lab] = band.run_rule(runs[0].path, lab, runs[0].config)
-            band.read_rollouts(runs[0].path)
+            band.rollouts_log(runs[0].path)
         except (PlotError, ConfigError) as e:
             why[lab] = str(e)
     labels = list(groups)
