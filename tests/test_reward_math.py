@@ -32,7 +32,7 @@ from gapo.reward.math import (
     extract_answer,
     normalize_gold,
 )
-from gapo.reward.types import RewardResult, status_counts
+from gapo.reward.types import RewarderUnavailable, RewardResult, status_counts
 
 
 @pytest.fixture(scope="module")
@@ -266,6 +266,45 @@ def test_a_worker_that_dies_mid_item_scores_error_not_wrong() -> None:
         assert result.status == "error"
         assert "died" in result.detail
         assert _statuses(v.score(["\\boxed{5}"], "5")) == ["correct"]
+
+
+def test_workers_that_cannot_start_end_scoring_and_the_pool_recovers(tmp_path, monkeypatch) -> None:
+    """Seen on a GPU host without math-verify: the pool raised, its dead worker stayed in the pool, and every later
+    call failed on the worker's closed pipe ("I/O operation on closed file") as a per-group status error."""
+    planted = tmp_path / "math_verify"
+    planted.mkdir()
+    (planted / "__init__.py").write_text("raise ImportError('planted: math-verify broken')\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # read by each worker as it starts, not by this process
+    with MathVerifier(num_workers=1, timeout_s=10.0) as v:
+        for _ in range(2):  # twice: the second call must start afresh, not select on the dead worker's pipe
+            with pytest.raises(RewarderUnavailable, match="failed to start 3 times"):
+                v.score(["\\boxed{1}"], "1")
+        monkeypatch.delenv("PYTHONPATH")
+        assert _statuses(v.score(["\\boxed{1}", "\\boxed{2}"], "1")) == ["correct", "wrong"]
+
+
+def test_a_missing_math_verify_is_named_before_any_worker_starts(monkeypatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "math_verify" else real(name, *a))
+    with pytest.raises(RewarderUnavailable, match="pip install math-verify"):
+        MathVerifier(num_workers=1)
+
+
+def test_an_unavailable_rewarder_ends_scoring_instead_of_erroring_each_group(monkeypatch) -> None:
+    import dataclasses
+
+    from gapo.config import RewardConfig
+    from gapo.data import Problem
+    from gapo.reward import registry
+
+    def unavailable(groups, problems, cfg):
+        raise RewarderUnavailable("planted")
+
+    monkeypatch.setitem(registry.REWARDERS, "math", dataclasses.replace(registry.REWARDERS["math"], score=unavailable))
+    with pytest.raises(RewarderUnavailable, match="planted"):
+        registry.score_groups("math", [["\\boxed{1}"]], [Problem("p", "1?", "1")], RewardConfig())
 
 
 def test_scoring_from_a_non_main_thread_works(verifier: MathVerifier) -> None:

@@ -48,6 +48,7 @@ exact string, and such results carry the flag "gold_text_only" so the weakness s
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import math
@@ -65,7 +66,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gapo.reward.types import FLAG_GOLD_TEXT_ONLY, Rewarder, RewardResult
+from gapo.reward.types import FLAG_GOLD_TEXT_ONLY, Rewarder, RewarderUnavailable, RewardResult
 
 if TYPE_CHECKING:
     from gapo.config import RewardConfig
@@ -482,6 +483,9 @@ class MathVerifier(Rewarder):
         # items end without a respawn; setitimer takes fractions, unlike math-verify's alarm(int).
         self.soft_timeout_s = max(0.05, min(self.timeout_s * 0.8, self.timeout_s - 0.5))
         self.memory_mb = memory_mb
+        if importlib.util.find_spec("math_verify") is None:
+            raise RewarderUnavailable(f"math-verify is not installed for {sys.executable}: `pip install "
+                                      "math-verify==0.9.0` (data.type=math and the math benchmarks score with it)")
         self._workers: list[_Worker] = []
         self._lock = threading.Lock()
         self._startup_failures = 0
@@ -597,9 +601,13 @@ class MathVerifier(Rewarder):
         if not started:
             self._startup_failures += 1
             if self._startup_failures >= _MAX_STARTUP_FAILURES:
-                raise RuntimeError(
-                    f"math-verify workers failed to start {self._startup_failures} times in a row "
-                    f"(last exit code {worker.proc.returncode}); see the workers' stderr above"
+                # Out of the pool: a later call starts a fresh worker in its slot instead of selecting on its
+                # closed pipe.
+                self._workers.remove(worker)
+                self._startup_failures = 0
+                raise RewarderUnavailable(
+                    f"math-verify workers failed to start {_MAX_STARTUP_FAILURES} times in a row "
+                    f"(last exit code {worker.proc.returncode}; {sys.executable}); see the workers' stderr above"
                 )
         self._workers[self._workers.index(worker)] = _Worker(self.memory_mb)
 

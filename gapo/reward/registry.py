@@ -17,7 +17,8 @@ before the engine starts.
 All of a step's groups go to the pool at once (`score_batch`), so k x prompts verifications share the
 workers instead of waiting group by group. If that raises, the step's groups are scored one at a time, so that
 a record the load-time check could not catch, or a rewarder bug, costs only its own group: its rollouts get
-status "error" (and, in the loop, no gradient) instead of ending a run that may be days in.
+status "error" (and, in the loop, no gradient) instead of ending a run that may be days in. A rewarder that cannot
+run at all (RewarderUnavailable: math-verify missing, workers that never start) ends the run at once instead.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from gapo import faults
 from gapo.config import MATH_INSTRUCTION, ConfigError, DataConfig, RewardConfig
 from gapo.data import Dropped, Problem, load_training_set, tokenize_problems
 from gapo.reward import code, ifeval, math
-from gapo.reward.types import RewardResult
+from gapo.reward.types import RewarderUnavailable, RewardResult
 
 log = logging.getLogger("gapo.reward")
 
@@ -145,6 +146,8 @@ def score_groups(kind: str, groups: list[list[str]], problems: list[Problem],
     row = rewarder(kind)
     try:
         return _score(row, groups, problems, cfg)
+    except RewarderUnavailable:  # no group would score either
+        raise
     except Exception as err:  # noqa: BLE001 - any rewarder failure: isolate it to its group below
         log.warning("scoring the step's %d groups at once raised %s: %s; scoring them one at a time", len(groups),
                     type(err).__name__, err)

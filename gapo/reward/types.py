@@ -22,6 +22,12 @@ FLAG_UNISOLATED = "unisolated"
 FLAG_GOLD_TEXT_ONLY = "gold_text_only"
 
 
+class RewarderUnavailable(RuntimeError):
+    """The rewarder itself cannot run (its library is missing, its workers never start): no group would score,
+    so the run stops with this message instead of isolating the failure group by group and training on
+    status "error" rollouts."""
+
+
 @dataclass(frozen=True)
 class RewardResult:
     """Binary reward plus why. `reward` is 1.0 exactly when `status == "correct"`, so GAPO's group
