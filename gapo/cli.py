@@ -113,6 +113,7 @@ def train_main(argv: list[str] | None = None) -> int:
     if not args.verbose:
         console.capture(show_warnings=rank0)  # before the libraries load: what they print goes to train.log
     from gapo.reward.registry import RewardsFailed
+    from gapo.reward.types import RewarderUnavailable
     from gapo.rollout.split import PeerGone
     from gapo.trainer import preempt
     from gapo.trainer.checkpoint import CheckpointError
@@ -125,7 +126,7 @@ def train_main(argv: list[str] | None = None) -> int:
     except ConfigError as err:  # bad model path, data file or field: a message, not a traceback
         console.error(f"gapo-train: {err}{console.failed_start()}")
         return 2
-    except (TrainingDiverged, RewardsFailed, CheckpointError, SyncError) as err:
+    except (TrainingDiverged, RewardsFailed, RewarderUnavailable, CheckpointError, SyncError) as err:
         console.error(f"gapo-train: {err}{console.failed_start()}")
         return 3
     except PeerGone as err:  # split placement: the other side of the bridge died or failed first, and says why
