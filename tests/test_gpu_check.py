@@ -26,7 +26,8 @@ def test_the_gpu_check_passes_its_cpu_smoke_run(tmp_path):
     rows = json.loads((tmp_path / "check.json").read_text())
     status = {x["check"]: x["status"] for x in rows}
     assert status == {"CUDA device": "SKIP", "model shape": "INFO", "rl step throughput": "INFO",
-                      "peak memory vs plan": "SKIP", "skipped steps": "PASS", "first mini-batch IS deviation": "PASS",
+                      "peak memory vs plan": "SKIP", "skipped steps": "PASS", "reward scoring errors": "PASS",
+                      "first mini-batch IS deviation": "PASS",
                       "NaN step skipped": "PASS", "vLLM weight push into zeroed weights": "PASS",
                       "vLLM weight checksums after the push": "SKIP", "vLLM sleep / wake": "SKIP",
                       "vLLM engine freed": "PASS", "gapo-train end to end": "PASS",

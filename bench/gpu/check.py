@@ -1,7 +1,7 @@
-"""The first GPU's checks, in one go, printed as one table (bench/gpu/check.sh runs it; ~8 minutes on an H200, an
-estimate).
+"""The first GPU's checks, in one go, printed as one table (bench/gpu/check.sh runs it).
 
-    bench/gpu/check.sh               # a CUDA host: torch + transformers there; DeepSpeed etc. as wheels in .whl/
+    bench/gpu/wheels.sh              # here: DeepSpeed, math-verify, pydantic, ... as wheels in .whl/ (offline node)
+    bench/gpu/check.sh               # a CUDA host: torch + transformers there; the rest from .whl/
     bench/gpu/check.sh --cpu-smoke   # the same code paths at toy size on the CPU (make test runs it)
 
 Rows, each PASS or FAIL against what it must show, SKIP (with why) where it did not run, INFO for a figure. Each step
@@ -14,7 +14,8 @@ on one whose GPU torch cannot see, the device row fails.
 2. rl step: gapo's loop, DeepSpeed actor in bf16 with fp32 accumulation and gradient checkpointing, token-budget
    micro-batches, two steps at that shape (bench/gpu/rl_steps.py; GQA, unpadded micro-batches included): update
    tokens/s and MFU (INFO), peak allocated memory against the memory plan's share without its OVERHEAD allowance
-   (which allocated memory cannot see; within 15 %), skipped steps (0).
+   (which allocated memory cannot see; within 15 %), skipped steps (0), reward scoring errors (0: a node without
+   math-verify scored every boxed answer "error" and trained on).
 3. first mini-batch IS deviation: max |log pi - log pi_old| where pi = pi_old; must be exactly 0 (one SDPA kernel
    for both passes: gapo/trainer/actor.py attention_backend).
 4. NaN step: a non-finite loss is skipped: weights, optimizer state and learning rate untouched.
@@ -29,8 +30,11 @@ on one whose GPU torch cannot see, the device row fails.
 7. one-GPU recipe: configs/qwen_math_1gpu.yaml's rollout and trainer settings (optimizer offload, vLLM sleep mode, its
    memory share, the token budget) on tiny-qwen2, one GPU: sleep -> train -> wake -> push, 2 steps, every push
    verified. The CPU smoke run has sleep mode off (vLLM refuses it on the CPU), and its sleep row reads SKIP.
-Exits 1 if any row fails. The GPU-only paths it drives are written from vLLM 0.32 / DeepSpeed 0.19.8's source and
-have not run on a GPU before this script does (unverified on a GPU).
+Exits 1 if any row fails. Run on one H200 (2026-12-04; torch 2.11 + transformers 5.17 of the node, the rest from
+.whl/, no vLLM): rows 0-4 ran in 7.9 min (Qwen2.5-1.5B shape; two steps with transformers generating 64 x 512 tokens,
+~2.3 min each) and passed: peak 38.2 GiB allocated against a plan of 38.7, IS deviation 0, NaN step skipped; 7,593
+update tokens/s, MFU 7.7 %. The vLLM rows (5-7) read SKIP there: their paths, written from vLLM 0.32's source, have
+not run on a GPU (unverified on a GPU).
 """
 
 from __future__ import annotations
@@ -205,6 +209,9 @@ def rl_step(state: dict) -> None:
             "within 15 % above the plan", res["peak_gib"] <= 1.15 * res["plan_gib"])
     row("skipped steps", str(sum(x["skipped"] for x in res["steps"])), "0",
         all(x["skipped"] == 0 for x in res["steps"]))
+    errors = [x["scoring_errors"] for x in res["steps"]]
+    row("reward scoring errors", ", ".join(f"{e:g}" for e in errors), "0 (math-verify scored every answer)",
+        all(e == 0.0 for e in errors))
     devs = [x["first_dev"] for x in res["steps"]]
     row("first mini-batch IS deviation", ", ".join(f"{d:g}" for d in devs), "exactly 0", all(d == 0.0 for d in devs))
 
@@ -225,8 +232,8 @@ def nan_step(state: dict) -> None:
                          [torch.randint(3, 300, (6,), generator=g).tolist() for _ in range(2)], 0).to(actor.device)
 
     def step(poison: bool) -> bool:
-        actor.engine.set_gradient_accumulation_boundary(True)
-        lp, _ = actor.engine(mb, 1.0)
+        actor.deepspeed.set_gradient_accumulation_boundary(True)
+        lp, _ = actor.deepspeed(mb, 1.0)
         loss = -(lp * mb.resp_mask).sum() / 12.0
         return bool(actor.backward(loss * float("nan") if poison else loss))
 
@@ -430,7 +437,8 @@ STEPS = (
     Step(device_row, (("CUDA device", "a device torch can use"),), needs=lambda state: ""),
     Step(model_step, (("model shape", "the largest shape planned within the GPU"),)),
     Step(rl_step, (("rl step throughput", "a figure"), ("peak memory vs plan", "within 15 % above the plan"),
-                   ("skipped steps", "0"), ("first mini-batch IS deviation", "exactly 0")), needs=needs_model),
+                   ("skipped steps", "0"), ("reward scoring errors", "0"),
+                   ("first mini-batch IS deviation", "exactly 0")), needs=needs_model),
     Step(nan_step, (("NaN step skipped", "not applied, weights and lr unchanged"),), needs=needs_model),
     Step(vllm_cycle, (("vLLM weight push into zeroed weights", "verified, the first tokens as before the reset"),
                       ("vLLM weight checksums after the push", "equal to those before the reset"),

@@ -7,10 +7,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH="/tmp/site:$PYTHONPATH"
-fi
 PY=python3
 # .venv when its torch sees CUDA, or on a host with no GPU (every row then reads SKIP): a CPU profile's .venv
 # (make install) on a GPU host would see no device.
@@ -19,6 +15,11 @@ if [ -x .venv/bin/python ] && { [ "${1:-}" = --cpu-smoke ] || [ -z "$(nvidia-smi
   PY=.venv/bin/python
 elif [ -x .venv/bin/python ]; then
   echo "check.sh: .venv's torch sees no CUDA device (a CPU profile?); using $(command -v python3)" >&2
+fi
+# The node's python3 takes gapo's other dependencies from .whl/ (bench/gpu/wheels.sh); a .venv has its own.
+if [ "$PY" = python3 ] && compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH="/tmp/site:$PYTHONPATH"
 fi
 export OMP_WAIT_POLICY=PASSIVE WANDB_MODE=disabled
 exec "$PY" bench/gpu/check.py "$@"

@@ -133,7 +133,7 @@ def run(cpu_smoke: bool, new_tokens: int, prompts: int, out: Path, shape: str = 
         steps.append({"step": x["step"], "tokens_per_s": tokens / x["time/train_s"],
                       "mfu": (6 * cfg.trainer.ppo_epochs + 2) * params * tokens / seconds / PEAK_FLOPS,
                       "first_dev": x["first_minibatch/max_abs_log_ratio"], "generate_s": x["time/generate_s"],
-                      "skipped": x["skipped_steps"]})
+                      "skipped": x["skipped_steps"], "scoring_errors": x["reward/error_frac"]})
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
     return {"params": params, "rollouts": rollouts, "new": new, "steps": steps, "peak_gib": peak,
             "plan_gib": predicted / 2**30, "model_dir": str(model)}
