@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # bench/gpu/check.sh [--cpu-smoke]: the first GPU's checks in one go (bench/gpu/check.py says what each row must
 # show). A CUDA host needs torch and transformers; the rest of gapo's Python dependencies (deepspeed, pydantic,
-# pyyaml, tqdm, math-verify, if-verifiable, ...) may come as wheels in .whl/ at the repository root, installed
-# here into /tmp/site. vLLM is optional: without it the vLLM rows say so. On a machine without a GPU every row reads
+# math-verify, ...) may come as wheels in .whl/ at the repository root (bench/gpu/wheels.sh makes them), installed
+# here into the node's python3 (/tmp/site). vLLM is optional: without it the vLLM rows say so. On a machine without a GPU every row reads
 # SKIP and it exits 0.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
