@@ -78,7 +78,7 @@ def run_case(case: str, steps: int) -> dict:
     model_dir = str(resolve_model(cfg.model.path))
     actor = actor_mod.Actor(cfg, model_dir)
     rss_built = vm("VmRSS")
-    inner = actor.engine.basic_optimizer
+    inner = actor.deepspeed.basic_optimizer
     seen = {}
     step = inner.step
 
@@ -96,7 +96,7 @@ def run_case(case: str, steps: int) -> dict:
         for _ in range(2):
             mb = MicroBatch.pack([torch.randint(3, 3000, (32,), generator=g).tolist() for _ in range(2)],
                                  [torch.randint(3, 3000, (32,), generator=g).tolist() for _ in range(2)], 0)
-            lp, _ = actor.engine(mb, 1.0)
+            lp, _ = actor.deepspeed(mb, 1.0)
             actor.backward(-(lp * mb.resp_mask).sum() / 128.0)
     facts = model_facts(cfg.model.path)
     n = sum(p.numel() for p in actor.module.parameters() if p.requires_grad)
@@ -104,7 +104,7 @@ def run_case(case: str, steps: int) -> dict:
            "stage": actor.zero_stage, "params": n, "param_count": param_count(facts), "rss_built": rss_built,
            "peak": vm("VmHWM"), **seen}
     if offload:
-        res["offloaded"] = offloaded_bytes(actor.engine.optimizer)
+        res["offloaded"] = offloaded_bytes(actor.deepspeed.optimizer)
         res["planned"] = offload_host_bytes(n, largest_param(facts), cfg.model.dtype, actor.zero_stage, 1, pin=False)
     return res
 

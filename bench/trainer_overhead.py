@@ -63,7 +63,7 @@ def gapo_step(actor: Actor, mbs: list[MicroBatch], adv: torch.Tensor) -> None:
         group = mbs[m0:m0 + MINI // MICRO]
         norm = StepNorm(tokens=sum(float(mb.resp_mask.sum()) for mb in group), seqs=float(MINI))
         for mb in group:
-            logp, _ = actor.engine(mb, 1.0)
+            logp, _ = actor.deepspeed(mb, 1.0)
             B = mb.resp_mask.shape[0]
             ones = torch.ones(B)
             loss, _ = policy_loss(logp, replace(mb, old_logp=logp.detach(), adv=adv[:B], c=ones, k=8 * ones), norm, a)
@@ -93,7 +93,7 @@ def main() -> None:
     cfg = resolve({"algorithm": {"name": "gspo"},
                    "trainer": {"lr": 1e-6, "micro_batch_size": MICRO, "ppo_mini_batch_size": MINI}})
     actor = Actor(cfg, model_dir)
-    actor.engine.train()
+    actor.deepspeed.train()
     runs = {"bare": None, "gapo Actor": (actor, mbs)}
     if not args.no_shared:
         runs["gapo Actor, shared prompts"] = (actor, shared)

@@ -42,7 +42,7 @@ def gather_worker(reps: int) -> None:
     from gapo.config import resolve
     from gapo.trainer.actor import Actor
 
-    rank, _ = init_distributed()
+    rank = init_distributed().rank
     cfg = resolve({"trainer": {"zero_stage": 3, "micro_batch_size": 8, "ppo_mini_batch_size": 16}})
     actor = Actor(cfg, str(resolve_model("smollm2-135m")))
     times, nbytes = [], 0

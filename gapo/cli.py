@@ -14,12 +14,13 @@ import textwrap
 from gapo import console, rundir
 from gapo.config import ConfigError, dump_config, field_descriptions, load_config
 from gapo.distributed import free_port
+from gapo.errors import EXPLAINED, Exit
 
-TRAIN_DESCRIPTION = """Train a policy with GAPO and its baselines.
+TRAIN_DESCRIPTION = f"""Train a policy with GAPO and its baselines.
 
 Signals (SLURM): SIGTERM, what SLURM sends at a preemption (SIGKILL follows after the partition's GraceTime), and
 SIGUSR1, what `sbatch --signal=USR1@300` sends 300 s before the time limit, both make every rank finish (or
-abandon) its step, save, and exit 75; `--resume auto` then goes on from that checkpoint. GraceTime and the
+abandon) its step, save, and exit {Exit.PREEMPTED}; `--resume auto` then goes on from that checkpoint. GraceTime and the
 signal's lead must exceed trainer.preempt_deadline_s plus a save (README, "Running on a cluster")."""
 
 
@@ -50,14 +51,14 @@ def train_main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, overrides)
     except ConfigError as err:
         print(f"gapo-train: {err}", file=sys.stderr)
-        return 2
+        return Exit.CONFIG
     # The ranks a memory plan is for (split: not the engines'); only the plans use it: a launched rank's own
     # arguments carry no --nproc.
     trainers = args.nproc - cfg.rollout.generator_ranks
     if (args.print_config or args.plan is not None) and trainers < 1:
         print(f"gapo-train: rollout.generator_ranks={cfg.rollout.generator_ranks} of --nproc {args.nproc} leaves no "
               "training rank; expected fewer generator ranks than --nproc", file=sys.stderr)
-        return 2
+        return Exit.CONFIG
     if args.print_config:
         from gapo.memory import plan_text
 
@@ -68,7 +69,7 @@ def train_main(argv: list[str] | None = None) -> int:
         sys.stdout.write(dump_config(cfg, comments=True))
         # As YAML comments, so the output stays a config file.
         sys.stdout.write("".join(f"# {line}\n" for line in text.splitlines()))
-        return 0
+        return Exit.OK
     if args.plan is not None:
         from gapo.memory import offload_table, plan_text
 
@@ -77,14 +78,14 @@ def train_main(argv: list[str] | None = None) -> int:
         except ValueError:
             print(f"gapo-train: --plan {args.plan}: expected GPU sizes in GB separated by commas, e.g. 24,48",
                   file=sys.stderr)
-            return 2
+            return Exit.CONFIG
         with contextlib.redirect_stdout(sys.stderr):  # libraries that a built-in model loads print to stdout
             table = offload_table(cfg, trainers, sizes)
             own = [plan_text(cfg, trainers, g)[0] for g in sizes]
         print(table)
         for g, text in zip(sizes, own, strict=True):
             print(f"\nThis config on a {g:g} GB GPU:\n{text}")
-        return 0
+        return Exit.OK
     if args.rehearse:
         return _rehearse(cfg, args.nproc, args.verbose)
     if args.nproc > 1 and "RANK" not in os.environ:
@@ -98,7 +99,7 @@ def train_main(argv: list[str] | None = None) -> int:
         for sig in (signal.SIGTERM, signal.SIGUSR1):  # a preemption signal is the ranks' (gapo.launch forwards it)
             signal.signal(sig, lambda signum, frame: child.send_signal(signum))
         code = child.wait()
-        if code not in (0, 2, 3):  # not a message already given: a rank died; say where the run can go on from
+        if code not in (Exit.OK, *EXPLAINED):  # no message given: a rank died; say where the run can go on from
             found = rundir.checkpoints(cfg.trainer.output_dir)
             where = f"the last checkpoint is {found[max(found)]}" if found else "it saved no checkpoint yet"
             print(f"gapo-train: the run stopped (exit {code}); {where}: `--resume auto` goes on from the newest "
@@ -114,24 +115,24 @@ def train_main(argv: list[str] | None = None) -> int:
         console.capture(show_warnings=rank0)  # before the libraries load: what they print goes to train.log
     from gapo.reward.registry import RewardsFailed
     from gapo.reward.types import RewarderUnavailable
-    from gapo.rollout.split import PeerGone
+    from gapo.rollout.transport import PeerGone
     from gapo.trainer import preempt
     from gapo.trainer.checkpoint import CheckpointError
     from gapo.trainer.loop import TrainingDiverged, train
-    from gapo.trainer.preempt import PREEMPTED, Preempted
+    from gapo.trainer.preempt import Preempted
     from gapo.trainer.sync import SyncError
 
     try:
         run_dir = train(cfg)
     except ConfigError as err:  # bad model path, data file or field: a message, not a traceback
         console.error(f"gapo-train: {err}{console.failed_start()}")
-        return 2
+        return Exit.CONFIG
     except (TrainingDiverged, RewardsFailed, RewarderUnavailable, CheckpointError, SyncError) as err:
         console.error(f"gapo-train: {err}{console.failed_start()}")
-        return 3
+        return Exit.STOPPED
     except PeerGone as err:  # split placement: the other side of the bridge died or failed first, and says why
         console.error(f"gapo-train: {err}")
-        return 1
+        return Exit.FAILED
     except Preempted as err:
         # Every rank has saved (the save ends in a barrier). The first rank to exit makes torchrun SIGTERM the
         # others, and Python drops its handlers while it shuts down: ignore the signal so each exits PREEMPTED.
@@ -139,10 +140,10 @@ def train_main(argv: list[str] | None = None) -> int:
             signal.signal(sig, signal.SIG_IGN)
         if rank0:
             console.say(f"gapo-train: {err}")
-        return PREEMPTED
+        return Exit.PREEMPTED
     if rank0:
         console.say(console.outputs(run_dir))
-    return 0  # (a generator rank of a split job returns no run_dir: its trainers report the run)
+    return Exit.OK  # (a generator rank of a split job returns no run_dir: its trainers report the run)
 
 
 def _fields_help() -> str:
@@ -165,18 +166,18 @@ def _rehearse(cfg, nproc: int, verbose: bool) -> int:
         plan, run_dir = rehearse.prepare(cfg, nproc)
     except ConfigError as err:
         print(f"gapo-train --rehearse: {err}", file=sys.stderr)
-        return 2
+        return Exit.CONFIG
     code = subprocess.call([sys.executable, "-m", "gapo.cli", "--config", str(run_dir / rundir.REHEARSAL_CONFIG),
                             "--nproc", str(plan.world), *(["--verbose"] if verbose else [])])
     text, ok = rehearse.report(plan, cfg, run_dir, limit)
     (run_dir / rundir.REHEARSAL_REPORT).write_text(text)
     print(text)
-    return code or (0 if ok else 1)
+    return code or (Exit.OK if ok else Exit.FAILED)
 
 
 if __name__ == "__main__":  # a rank under torchrun (gapo.launch), or a rehearsal's run
     code = train_main()
-    if code == 0:  # the process ends here; train() leaves the group up for callers that go on (bench/gpu/check.py)
+    if code == Exit.OK:  # the process ends here; train() leaves the group up for callers that go on (bench/gpu/)
         from gapo.distributed import leave_distributed
 
         leave_distributed()

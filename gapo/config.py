@@ -36,6 +36,10 @@ CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 IsLevel = Literal["token", "sequence"]
 ClipRule = Literal["fixed", "adaptive", "cispo"]
 LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_sum_constant"]
+# The engine's choices, also gapo-eval's and a sweep manifest's (choices=typing.get_args(...)).
+Dtype = Literal["float32", "bfloat16"]
+EngineKind = Literal["vllm", "hf"]
+CompileMode = Literal["auto", "cache", "aot", "eager"]
 
 # The math prompts' instruction (DeepScaleR's, the paper's): data.instruction's default, and gapo-eval's for math.
 MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
@@ -134,7 +138,7 @@ class RolloutCorrection(_Section):
 class AlgorithmConfig(_Section):
     """The loss. Switch fields default to None and are filled from the preset named by `name`."""
 
-    name: Literal["gapo", "gapo_token", "gspo", "grpo", "dr_grpo", "dapo", "f_grpo", "f_gspo", "cispo"] = Field(
+    name: Literal[tuple(PRESETS)] = Field(
         "gapo", description="The preset: the switches (is_level, clip, eps_*, std_normalize, focal_gamma, "
                         "loss_agg) left null take its values.")
     is_level: IsLevel | None = Field(None, description="Importance ratio per token, or per sequence (GSPO).")
@@ -188,6 +192,13 @@ class AlgorithmConfig(_Section):
         """The rule's upper width: eps_hi_max (adaptive, at c = 1) or eps_hi (fixed; CISPO's weight cap)."""
         return self.eps_hi_max if self.clip == "adaptive" else self.eps_hi
 
+    @property
+    def clip_range(self) -> tuple[str, str]:
+        """(lower, upper) widths as the paper's tables print a row's, the upper one followed by the rule unless it
+        is fixed (eps_hi_max of the adaptive rule, CISPO's weight cap): gapo-compare's table columns and, joined
+        by '/', gapo-plot's legends and index."""
+        return fmt_eps(self.eps_lo), fmt_eps(self.upper) + ("" if self.clip == "fixed" else f" {self.clip}")
+
     def describe(self) -> str:
         """The clip rule and its bounds in words, as the console, the rehearsal report and gapo-plot show it."""
         lo, hi = fmt_eps(self.eps_lo), fmt_eps(self.upper)
@@ -237,7 +248,7 @@ class ModelConfig(_Section):
                                                   'random model for tests ("tiny-qwen2", ...); or a Hugging Face '
                                                   'hub id such as "Qwen/Qwen2.5-Math-1.5B", downloaded once into '
                                                   "the hub cache.")
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Dtype = "float32"
     gradient_checkpointing: bool = False
     lora: LoraConfig | None = Field(None, description="LoRA adapters instead of full fine-tuning (null: off).")
 
@@ -322,7 +333,7 @@ SPLIT_SHARE = 0.9
 
 
 class RolloutConfig(_Section):
-    engine: Literal["vllm", "hf"] = "vllm"
+    engine: EngineKind = "vllm"
     group_size: int = Field(8, ge=2)
     prompts_per_step: int = Field(8, ge=1)
     temperature: float = Field(1.0, gt=0.0)
@@ -338,7 +349,7 @@ class RolloutConfig(_Section):
                                   "on GPU.")
     sleep_between_steps: bool = Field(
         False, description="vLLM sleep mode frees the KV cache while the actor trains (GPU only; refused on CPU).")
-    compile: Literal["auto", "cache", "aot", "eager"] = Field(
+    compile: CompileMode = Field(
         "auto", description="How vLLM compiles the model at start: cache (torch.compile; inductor reuses its on-disk "
                             "graph cache across starts), aot (vLLM's ahead-of-time artifacts; they do not load on "
                             "CPU with vLLM 0.32 and torch 2.13, so every start compiles again), eager (no compile: "
@@ -510,21 +521,27 @@ class TrainerConfig(_Section):
         return self
 
 
+class EvalProtocol(_Section):
+    """The benchmarks and sampling a table's numbers come from. A config's eval.protocol and a sweep manifest's
+    own protocol (gapo.study.manifest.Protocol) both extend it, so the two cannot drift apart."""
+
+    benchmarks: list[str] = Field(min_length=1, description="Specs as for eval.benchmarks.")
+    n: int = Field(ge=1)
+    temperature: float = Field(gt=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_new_tokens: int = Field(gt=0)
+
+
 class EvalConfig(_Section):
     """Validation during training (every trainer.eval_every steps, before the first and after the last), and
     the paper table's reporting settings in `protocol`."""
 
-    class Protocol(_Section):
+    class Protocol(EvalProtocol):
         """How the paper reports this config's table, applied by `gapo-eval --protocol <config>` (its flags
         still override). Training never reads it: validation during a run samples fewer, and the final numbers
         should come from the file that states the table, not from flags someone has to remember."""
 
         table: str = Field(description='Where these settings are stated, e.g. "Table 3, Qwen2.5-Math-1.5B".')
-        benchmarks: list[str] = Field(min_length=1, description="Specs as for eval.benchmarks.")
-        n: int = Field(ge=1)
-        temperature: float = Field(gt=0.0)
-        top_p: float = Field(gt=0.0, le=1.0)
-        max_new_tokens: int = Field(gt=0)
 
     benchmarks: list[str] = Field(
         default_factory=list, description='Benchmark specs: names (gapo.evaluation.BENCHMARKS, or "arithmetic": a '

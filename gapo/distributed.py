@@ -1,5 +1,6 @@
 """Process-group plumbing: what training, gapo-eval, the benches and the distributed tests all set up the
-same way. torch is imported on use: gapo-train's launcher process (free_port, then torchrun) never loads it."""
+same way; where this process sits in the job (Placement); what all ranks agree on. torch is imported on use:
+gapo-train's launcher process (free_port, then torchrun) never loads it."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import importlib
 import os
 import socket
 from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
 
 
 def free_port() -> int:
@@ -16,10 +20,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-PLACEMENT = None  # gapo.rollout.split.Placement in a split job (rollout.placement: split), else None
+@dataclass(frozen=True)
+class Placement:
+    """Where this process sits in the job, as init_distributed set it up.
+
+    Colocated: one world, every rank trains and samples (generators 0). Split (rollout.placement: split): the job's
+    first `trainers` ranks train in a world of their own, its last `generators` ranks sample in another, and the
+    job's store is where a bridge between the two meets (gapo.rollout.transport). Trainer t is served by generator
+    trainers + t % generators."""
+
+    rank: int  # in this process's own world
+    world: int
+    global_rank: int  # in the whole job
+    trainers: int
+    generators: int = 0
+    store: Any = None  # torch.distributed.Store, split only: the rendezvous both worlds used
+    timeout: timedelta = timedelta(minutes=60)
+
+    @property
+    def is_generator(self) -> bool:
+        return self.global_rank >= self.trainers
+
+    def generator_of(self, trainer: int) -> int:
+        return self.trainers + trainer % self.generators
+
+    def trainers_of(self, generator: int) -> list[int]:
+        return [t for t in range(self.trainers) if self.generator_of(t) == generator]
 
 
-def init_distributed(timeout_min: float = 60.0, generators: int = 0) -> tuple[int, int]:
+def init_distributed(timeout_min: float = 60.0, generators: int = 0) -> Placement:
     """torchrun sets RANK/WORLD_SIZE/MASTER_*; a plain `gapo-train` is a world of one on a free port.
 
     `timeout_min` bounds every collective (trainer.collective_timeout_min): ranks wait in one while another still
@@ -27,14 +56,13 @@ def init_distributed(timeout_min: float = 60.0, generators: int = 0) -> tuple[in
     step; past it NCCL's watchdog ends the job.
 
     With `generators` > 0 (split placement) the job's last `generators` ranks form a world of their own, as do the
-    others, and a bridge joins both (PLACEMENT); the returned rank and world are those of this process's own world,
-    and RANK/WORLD_SIZE are rewritten to match, since DeepSpeed and vLLM's external launcher read them."""
+    others; the placement's rank and world are those of this process's own world, and RANK/WORLD_SIZE are rewritten
+    to match, since DeepSpeed and vLLM's external launcher read them."""
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     import deepspeed
     import torch
-    import torch.distributed as dist
 
     if torch.cuda.is_available():
         # Before anything touches a GPU: DeepSpeed binds the NCCL group to cuda:LOCAL_RANK, but an object collective
@@ -47,24 +75,21 @@ def init_distributed(timeout_min: float = 60.0, generators: int = 0) -> tuple[in
         # training never uses it, and without it DeepSpeed falls back to torch.distributed.
         # (importlib: the attribute deepspeed.comm.torch is the torch module, re-exported.)
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
-    from datetime import timedelta
 
+    timeout = timedelta(minutes=timeout_min)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    placement = Placement(rank, world, rank, world, timeout=timeout)
     if generators:
-        _init_split(generators, timedelta(minutes=timeout_min), "nccl" if torch.cuda.is_available() else "gloo")
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo",
-                               timeout=timedelta(minutes=timeout_min))
-    return dist.get_rank(), dist.get_world_size()
+        placement = _init_split(rank, world, generators, timeout, "nccl" if torch.cuda.is_available() else "gloo")
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", timeout=timeout)
+    return placement
 
 
-def _init_split(generators: int, timeout, backend: str) -> None:
-    """Two worlds and a bridge on torchrun's own store (TCPStore at MASTER_ADDR:MASTER_PORT, held by its agent):
-    each world's keys under a prefix of its own, so that both can have a rank 0."""
-    global PLACEMENT
+def _init_split(rank: int, world: int, generators: int, timeout: timedelta, backend: str) -> Placement:
+    """Two worlds on torchrun's own store (TCPStore at MASTER_ADDR:MASTER_PORT, held by its agent): each world's keys
+    under a prefix of its own, so that both can have a rank 0."""
     import torch.distributed as dist
 
-    from gapo.rollout.split import connect
-
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     trainers = world - generators
     if trainers < generators:
         raise ValueError(f"rollout.generator_ranks={generators} of {world} ranks leaves {trainers} training ranks; "
@@ -77,17 +102,17 @@ def _init_split(generators: int, timeout, backend: str) -> None:
                                                             store), rank=own_rank, world_size=own_world,
                             timeout=timeout)
     os.environ.update(RANK=str(own_rank), WORLD_SIZE=str(own_world), GAPO_GLOBAL_RANK=str(rank))
-    PLACEMENT = connect(store, rank, trainers, generators, timeout)
+    return Placement(own_rank, own_world, rank, trainers, generators, store, timeout)
 
 
 _AT_LEAVE: list[Callable[[], None]] = []
 
 
 def at_leave(close: Callable[[], None]) -> None:
-    """Run `close` in leave_distributed(), after the final barrier and before the group is destroyed: a colocated
-    vLLM engine's shutdown destroys its own groups and then the world group; run after us (its finaliser at
-    interpreter exit), it met destroyed groups and printed "Invalid process group specified" tracebacks at the end
-    of every successful multi-rank run."""
+    """Run `close` in leave_distributed(), after the final barrier and before the group is destroyed: an in-process
+    vLLM engine's shutdown destroys its own groups and then the world group; run later (its finaliser at interpreter
+    exit), it would meet destroyed groups and print "Invalid process group specified" tracebacks at the end of a
+    successful multi-rank run."""
     _AT_LEAVE.append(close)
 
 
@@ -106,11 +131,10 @@ def leave_distributed() -> None:
     """The end of a run that went well: wait for every rank, then take the process group down.
 
     Left to interpreter exit, gloo's worker threads can be destroyed while still joinable, and the rank aborts
-    with "terminate called without an active exception" (exit -6) after its work is done (two 2-rank tests of
-    one full suite did, on CPU); NCCL likewise asks for an explicit destroy on a normal exit. Called where a
-    process ends, never inside train(): a caller that goes on in the same process (bench/gpu/check.py) would
-    meet DeepSpeed's cached handles to the destroyed groups. Runs that fail take no part: a peer may be gone,
-    and the barrier would wait for it."""
+    with "terminate called without an active exception" (exit -6) after its work is done; NCCL likewise asks for an
+    explicit destroy on a normal exit. Called where a process ends, never inside train(): a caller that goes on in
+    the same process (bench/gpu/check.py) would meet DeepSpeed's cached handles to the destroyed groups. Runs that
+    fail take no part: a peer may be gone, and the barrier would wait for it."""
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -128,3 +152,19 @@ def gather(obj) -> list:
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def agree(values: list, device, op: str = "max") -> list:
+    """Every rank's `values` reduced element-wise (max or min), the same list on every rank: what all ranks go on
+    with when each counted or decided something alone (collective; without a group of several ranks, `values`)."""
+    import torch
+    import torch.distributed as dist
+
+    if op not in ("max", "min"):
+        raise ValueError(f"agree: op must be max or min, not {op!r}")
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return list(values)
+    dtype = torch.float64 if any(isinstance(v, float) for v in values) else torch.int64
+    t = torch.tensor(values, dtype=dtype, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.MIN)
+    return t.tolist()

@@ -1,7 +1,24 @@
 """The error a user fixes: raised by config resolution, loaders, checkpoints and the run directory alike, and
-printed by the entry points as a message (exit 2) instead of a traceback."""
+printed by the entry points as a message (exit 2) instead of a traceback; and gapo-train's exit codes."""
+
+from enum import IntEnum
 
 
 class ConfigError(ValueError):
     """A configuration the user must fix; the message names the key, file or item, the value and what is
     allowed."""
+
+
+class Exit(IntEnum):
+    """gapo-train's exit codes: its ranks', gapo.launch's (one code for the job) and the command's, which a requeue
+    script tests for."""
+
+    OK = 0
+    FAILED = 1  # a rank died or failed without a message of its own
+    CONFIG = 2  # a ConfigError: the message says what to fix
+    STOPPED = 3  # the run cannot go on (diverged; rewards, a checkpoint or the weight sync failed): a message says why
+    PREEMPTED = 75  # EX_TEMPFAIL: every rank saved after SIGTERM / SIGUSR1; requeue, and --resume auto goes on
+
+
+# The failures gapo-train has said why on the console: a launcher passes them on and adds nothing.
+EXPLAINED = frozenset({Exit.CONFIG, Exit.STOPPED})

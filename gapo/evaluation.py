@@ -1,5 +1,5 @@
 """Evaluation: pass@k on benchmarks, per-problem solve rates for coverage, with the rollout engine. What validation
-inside training and gapo-eval share, below both: the trainer and the study wing (gapo.study.evaluate, gapo-eval's
+inside training and gapo-eval share, below both: the trainer and the study wing (gapo.study.eval, gapo-eval's
 command line) stand on this module, so a number in the training log and a number from gapo-eval on the saved
 checkpoint mean the same thing.
 
@@ -89,13 +89,14 @@ BENCHMARKS = {
 DATE_FIELD = "contest_date"
 
 
-def load_benchmark(spec: str, limit: int | None = None, exclude: set[str] | None = None,
-                   levels: list[str] | None = None, *, data_dir: str | Path | None = None
-                   ) -> Bench:
-    """The benchmark of a spec `name[@START:END][=path]` or `arithmetic` (problems of `levels`, held out from
-    `exclude`, by default from the default training set). A named benchmark is read from `data_dir` (default:
-    $GAPO_DATA_DIR) when its file is there, else from Hugging Face. Records its rewarder cannot score (an empty
-    answer, tests that do not parse) are left out before `limit` applies, and listed with their reason."""
+def load_benchmark(spec: str, limit: int | None = None, data: DataConfig | None = None, *,
+                   data_dir: str | Path | None = None) -> Bench:
+    """The benchmark of a spec `name[@START:END][=path]` or `arithmetic`: problems of the run's
+    data.arithmetic_levels, held out from the arithmetic set its data config draws (`data`, default: the
+    default config's), so validation and gapo-eval --run hold out the same problems. A named benchmark is read
+    from `data_dir` (default: $GAPO_DATA_DIR) when its file is there, else from Hugging Face. Records its
+    rewarder cannot score (an empty answer, tests that do not parse) are left out before `limit` applies, and
+    listed with their reason. Nothing else is left out: see `context_length`."""
     name, _, path = spec.partition("=")
     name, at, window = name.partition("@")
     bounds = parse_window(window, spec) if at else None  # a malformed window fails before any download
@@ -103,10 +104,10 @@ def load_benchmark(spec: str, limit: int | None = None, exclude: set[str] | None
     kind = known.kind if known else "math"
     keys = {"prompt_key": known.prompt_key, "answer_key": known.answer_key} if known else {}
     if name == "arithmetic" and not path:
-        if exclude is None:
-            d = DataConfig()  # the default training set
-            exclude = {p.question for p in arithmetic_problems(d.arithmetic_size, seed=d.arithmetic_seed)}
-        problems = arithmetic_problems(limit or 200, seed=4242, exclude=exclude, levels=levels)
+        d = data or DataConfig()
+        trained = arithmetic_problems(d.arithmetic_size, seed=d.arithmetic_seed, levels=d.arithmetic_levels)
+        problems = arithmetic_problems(limit or 200, seed=4242, exclude={p.question for p in trained},
+                                       levels=d.arithmetic_levels)
     elif path:
         problems = load_problems(path, **keys)
     elif known:
@@ -246,10 +247,11 @@ def sample_seeds(seed: int, benches: list[Bench], n: int) -> list[list[int]]:
     """One vLLM request seed per problem of each benchmark, such that no two (problem, sample) pairs share a seed.
 
     vLLM seeds sample j of a request with seed + j, and its sampler's noise depends only on (seed, position,
-    token): two requests whose seed ranges overlap draw identical noise for the overlapping samples (with
-    seed * 1_000_003 + i, sample j of problem i and sample j - 1 of problem i + 1 did). So each request gets an
-    aligned block of 2^ceil(log2 n) seeds, drawn from SeedSequence([seed, benchmark, problem]) and moved to the
-    next free block on a collision: the blocks, hence all seeds, are disjoint across the whole evaluation."""
+    token): two requests whose seed ranges overlap draw identical noise for the overlapping samples (seeds
+    seed * 1_000_003 + i would give sample j of problem i the noise of sample j - 1 of problem i + 1). So each
+    request gets an aligned block of 2^ceil(log2 n) seeds, drawn from SeedSequence([seed, benchmark, problem])
+    and moved to the next free block on a collision: the blocks, hence all seeds, are disjoint across the whole
+    evaluation."""
     size = 1 << max(0, (n - 1).bit_length())
     blocks = (1 << 31) // size
     taken: set[int] = set()
@@ -267,6 +269,36 @@ def sample_seeds(seed: int, benches: list[Bench], n: int) -> list[list[int]]:
     return out
 
 
+def prompt_ids(bench: Bench, tokenizer, instruction: str | None, which: list[int] | None = None) -> list[list[int]]:
+    """The chat-templated prompts of the bench's problems (`which`: their indices, default all) as they are
+    sampled: `instruction` appended (None: the kind's own), except to a bare prompt (IFEval's), which is the
+    instruction under test."""
+    row = rewarder(bench.kind)
+    instr = "" if row.bare_prompt else instruction if instruction is not None else row.instruction
+    return [build_prompt_ids(tokenizer, bench.problems[i], instr)
+            for i in (range(len(bench.problems)) if which is None else which)]
+
+
+def context_length(benches: list[Bench], tokenizer, instruction: str | None, max_new_tokens: int,
+                   positions: int | None) -> int:
+    """The engine context an evaluation of `benches` needs: the longest prompt plus max_new_tokens, within the
+    model's `positions` (a response that reaches them ends there, as truncated).
+
+    No problem is left out for its length: a benchmark is the same problem set in validation and in gapo-eval,
+    whatever data.max_prompt_tokens a run trained with, so the engine's context is sized to the benchmark
+    instead. A prompt the model cannot hold at all is an error naming it."""
+    longest, where = 0, ""
+    for bench in benches:
+        for p, ids in zip(bench.problems, prompt_ids(bench, tokenizer, instruction), strict=True):
+            if len(ids) > longest:
+                longest, where = len(ids), f"benchmark {bench.name!r}, problem {p.uid}"
+    if positions is not None and longest >= positions:
+        raise ConfigError(f"{where}: its prompt is {longest} tokens, and the model has {positions} positions "
+                          "(max_position_embeddings): no room for a response. Leave the problem out of the "
+                          "benchmark's file (name=PATH), or use a model with a longer context")
+    return longest + max_new_tokens if positions is None else min(positions, longest + max_new_tokens)
+
+
 def evaluate(engine: Engine, tokenizer, benches: list[Bench], *, n: int, temperature: float,
              top_p: float, max_new_tokens: int, instruction: str | None, reward: RewardConfig, seed: int = 0,
              progress: bool = True) -> list[BenchResult]:
@@ -281,9 +313,7 @@ def evaluate(engine: Engine, tokenizer, benches: list[Bench], *, n: int, tempera
         name, kind, problems = bench.name, bench.kind, bench.problems
         mine = list(range(rank, len(problems), world))
         row = rewarder(kind)
-        # A bare prompt (IFEval's) is the instruction under test: nothing is appended to it.
-        instr = "" if row.bare_prompt else instruction if instruction is not None else row.instruction
-        prompts = [build_prompt_ids(tokenizer, problems[i], instr) for i in mine]
+        prompts = prompt_ids(bench, tokenizer, instruction, mine)
         groups = engine.generate(prompts, sampling, seeds=[seeds[i] for i in mine]) if mine else []
         texts, owned = [[x.text for x in g] for g in groups], [problems[i] for i in mine]
         local = dict(zip(mine, score_groups(kind, texts, owned, reward), strict=True))

@@ -2,10 +2,10 @@
 
 torchrun handles SIGTERM by signalling its workers and killing them 30 seconds later, and dies of SIGUSR1, whose
 default action is to terminate: either would cut a rank's final checkpoint short. Here both signals are forwarded
-to the workers (each rank finishes its step, saves and exits with gapo.trainer.preempt.PREEMPTED, see there) and
-torchrun waits for them; when a rank exited with PREEMPTED (and any other did too, or was stopped by torchrun on
-its way out), so does this launcher, so that a requeue script sees one code. Everything else is torchrun's own
-(`python -m torch.distributed.run`).
+to the workers (each rank finishes its step, saves and exits with gapo.errors.Exit.PREEMPTED, see
+gapo.trainer.preempt) and torchrun waits for them; when a rank exited with PREEMPTED (and any other did too, or was
+stopped by torchrun on its way out), so does this launcher, so that a requeue script sees one code. Everything else
+is torchrun's own (`python -m torch.distributed.run`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import signal
 import sys
 from pathlib import Path
 
-from gapo.trainer.preempt import PREEMPTED, SIGNALS
+from gapo.errors import EXPLAINED, Exit
+from gapo.trainer.preempt import SIGNALS
 
 
 def _children() -> list[int]:
@@ -38,7 +39,7 @@ _received: set[int] = set()  # the preemption signals this launcher has handed o
 def _forward(signum, frame) -> None:  # noqa: ARG001 - signal's signature
     if signum not in _received:  # say once which signal came (a SLURM log then tells preemption from time limit)
         os.write(2, f"gapo.launch: {signal.Signals(signum).name} received: handed to the ranks, which save and "
-                    f"exit {PREEMPTED}\n".encode())
+                    f"exit {Exit.PREEMPTED}\n".encode())
     _received.add(signum)
     for pid in _children():
         with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
@@ -46,22 +47,21 @@ def _forward(signum, frame) -> None:  # noqa: ARG001 - signal's signature
 
 
 STOPPED = {-signal.SIGTERM, -signal.SIGKILL}  # how torchrun stops the other ranks once one has exited
-TOLD = {2, 3}  # gapo-train's exits after a message of its own (a config error; a run that cannot go on)
 
 
 def exit_code(codes: set[int], received: set[int] = frozenset()) -> int | None:
     """This launcher's exit from the failed ranks' exit codes, or None when a rank died (the caller says which).
 
     A rank exits PREEMPTED only after the collective save's final barrier, so the checkpoint is whole even when
-    torchrun stopped a slower rank on its way out; likewise a rank that exited 2 or 3 has said why on the console,
+    torchrun stopped a slower rank on its way out; likewise a rank that exited EXPLAINED has said why on the console,
     and its code is the run's. Ranks killed by a preemption signal this launcher `received` and handed on (it came
     before a rank installed its handler, while it was starting) lost nothing since their last checkpoint: that is
     PREEMPTED too, so that the job requeues instead of failing."""
-    for code in (PREEMPTED, *sorted(TOLD)):
+    for code in (Exit.PREEMPTED, *sorted(EXPLAINED)):
         if code in codes and codes <= {code} | STOPPED:
             return code
-    if received and codes <= {-s for s in received} | STOPPED | {PREEMPTED}:
-        return PREEMPTED
+    if received and codes <= {-s for s in received} | STOPPED | {Exit.PREEMPTED}:
+        return Exit.PREEMPTED
     return None
 
 
@@ -84,8 +84,8 @@ def main() -> int:
             how = f"killed by {signal.Signals(-f.exitcode).name}" if f.exitcode < 0 else f"exit code {f.exitcode}"
             print(f"gapo-train: rank {rank} (pid {f.pid}) died: {how}; the other ranks were stopped",
                   file=sys.stderr, flush=True)
-        return 1
-    return 0
+        return Exit.FAILED
+    return Exit.OK
 
 
 if __name__ == "__main__":

@@ -182,7 +182,7 @@ def _benchmarks(cfg: Config, scaled: list[str]) -> list[str]:
     kept = []
     for spec in cfg.eval.benchmarks:
         try:
-            load_benchmark(spec, 2, levels=cfg.data.arithmetic_levels)
+            load_benchmark(spec, 2, cfg.data)
             kept.append(spec)
         except ConfigError as err:
             scaled.append(f"eval.benchmarks: {spec} left out ({str(err)[:160]})")

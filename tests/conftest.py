@@ -29,10 +29,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -176,6 +178,28 @@ def shared_data(tmp_path_factory) -> Callable[[str], Path]:
 def shared_records(shared_data) -> Callable[[str], list]:
     """`shared_records("code/leetcode.json")` -> the file's records (a JSON list), found as by shared_data."""
     return lambda relpath: json.loads(shared_data(relpath).read_text())
+
+
+@pytest.fixture(scope="session")
+def once(tmp_path_factory) -> Callable[[str, Callable[[Path], Any]], Any]:
+    """`once(key, make)` -> make(a fresh folder), called the first time `key` is asked for in the session; later
+    calls return its result (or raise its error again) without making it anew. For a set-up that tests in several
+    files share, such as a gapo-train run that they only read (test_checkpoint.reference): each gapo-train start
+    costs about 20 s on a 2-core CI machine (issue 46)."""
+    made: dict[str, tuple[Any, BaseException | None]] = {}
+
+    def get(key: str, make: Callable[[Path], Any]) -> Any:
+        if key not in made:
+            try:
+                made[key] = (make(tmp_path_factory.mktemp(re.sub(r"[^\w.-]+", "_", key)[:60])), None)
+            except Exception as err:  # a failed set-up (an assert included) fails every test that shares it
+                made[key] = (None, err)
+        result, error = made[key]
+        if error is not None:
+            raise error
+        return result
+
+    return get
 
 
 # --------------------------------------------------------------------------------------------------

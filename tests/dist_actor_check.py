@@ -29,7 +29,7 @@ def batches(seed: int, rank: int) -> list[MicroBatch]:
 def step(actor: Actor, mbs: list[MicroBatch], poison: bool) -> bool:
     applied = None
     for mb in mbs:
-        lp, _ = actor.engine(mb, 1.0)
+        lp, _ = actor.deepspeed(mb, 1.0)
         loss = -(lp * mb.resp_mask).sum() / 24.0
         applied = actor.backward(loss * float("nan") if poison else loss)
     return applied
@@ -40,22 +40,24 @@ def weights(actor: Actor) -> dict[str, torch.Tensor]:
 
 
 def main(out_path: str, dtype: str, stage: int, offload: str = "none") -> None:
-    rank, world = init_distributed()
+    placement = init_distributed()
+    rank, world = placement.rank, placement.world
     # A schedule that moves at every optimizer step, so that a skipped step advancing it would show.
     cfg = resolve({"model": {"path": "tiny-qwen2", "dtype": dtype},
                    "trainer": {"zero_stage": stage, "micro_batch_size": 2, "ppo_mini_batch_size": 4 * world,
                                "lr": 1e-3, "lr_schedule": "cosine", "total_steps": 6, "warmup_steps": 1,
                                "offload": {"optimizer": "cpu" if offload != "none" else "none",
                                            "params": "cpu" if offload == "params" else "none"}},
-                   "rollout": {"prompts_per_step": world, "group_size": 4}})
+                   "rollout": {"prompts_per_step": world, "group_size": 4},
+                   "algorithm": {"kl_coef": 0.1}})  # a reference copy too: it loads as the actor does
     model_dir = str(resolve_model("tiny-qwen2"))
     result = {}
     ends = []
     for poison in (False, True):
         actor = Actor(cfg, model_dir)
-        model_dtype, accum_dtype = actor.engine.get_data_types()
+        model_dtype, accum_dtype = actor.deepspeed.get_data_types()
         result.update(stage=actor.zero_stage, model_dtype=str(model_dtype), accum_dtype=str(accum_dtype),
-                      comm_dtype=str(actor.engine.communication_data_type))
+                      comm_dtype=str(actor.deepspeed.communication_data_type))
         applied = [step(actor, batches(0, rank), False)]
         if poison:
             before = weights(actor)
@@ -67,8 +69,10 @@ def main(out_path: str, dtype: str, stage: int, offload: str = "none") -> None:
         ends.append(weights(actor))
         result[f"lr_end_{poison}"] = actor.lr()
         result["linear_restored"] = torch.nn.functional.linear is LINEAR
-        result["reduce_bucket"] = actor.engine.zero_reduce_bucket_size()
-        result["offloaded"] = [bool(actor.engine.zero_offload_optimizer()), bool(actor.engine.zero_offload_param())]
+        result["ref_partitioned"] = all(hasattr(p, "ds_id") for p in actor.reference.module.parameters())
+        result["reduce_bucket"] = actor.deepspeed.zero_reduce_bucket_size()
+        ds = actor.deepspeed
+        result["offloaded"] = [bool(ds.zero_offload_optimizer()), bool(ds.zero_offload_param())]
     result["same_end"] = all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0])
     dist.barrier()
     with open(f"{out_path}.{rank}", "w") as f:

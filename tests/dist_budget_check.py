@@ -20,7 +20,8 @@ SPLITS = {"count_4": (4, None), "budget_48": (8, 48), "budget_120": (8, 120)}  #
 
 
 def main(out_path: str, stage: int) -> None:
-    rank, world = init_distributed()
+    placement = init_distributed()
+    rank, world = placement.rank, placement.world
     cfg = resolve({"model": {"path": "tiny-qwen2"}, "rollout": {"prompts_per_step": 2, "group_size": 8},
                    "trainer": {"zero_stage": stage, "micro_batch_size": 8, "ppo_mini_batch_size": 16,
                                "grad_clip": 1e9, "lr": 1e-30}})  # lr: the weights stay put between splits
@@ -43,8 +44,8 @@ def main(out_path: str, stage: int) -> None:
         for j, b in enumerate(bins):
             mb = MicroBatch.pack([prompts[mine[i]] for i in b], [responses[mine[i]] for i in b], 0)
             padded += mb.input_ids.numel()
-            actor.engine.set_gradient_accumulation_boundary(j == len(bins) - 1)
-            lp, _ = actor.engine(mb, 1.0)
+            actor.deepspeed.set_gradient_accumulation_boundary(j == len(bins) - 1)
+            lp, _ = actor.deepspeed(mb, 1.0)
             actor.backward(-(lp * mb.resp_mask).sum() / tokens)
         out[name] = {"norm": actor.grad_norm(), "local_count": local, "count": len(bins), "padded": padded,
                      "rows": sorted(i for b in bins for i in b)}

@@ -14,7 +14,7 @@ from gapo.models import resolve_model
 
 def main(out_path: str, cache: str) -> None:
     os.environ["GAPO_CACHE"] = cache  # a cache of its own: the model is built here, by rank 1
-    rank, _ = init_distributed()
+    rank = init_distributed().rank
     files = sorted(p.name for p in resolve_model("tiny-llama").iterdir()) if rank == 1 else []
     dist.barrier()
     with open(f"{out_path}.{rank}", "w") as f:

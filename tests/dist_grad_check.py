@@ -15,7 +15,8 @@ from gapo.trainer.logprobs import MicroBatch, response_logprobs
 
 
 def main(out_path: str, stage: int) -> None:
-    rank, world = init_distributed()
+    placement = init_distributed()
+    rank, world = placement.rank, placement.world
     cfg = resolve({"model": {"path": "tiny-qwen2"}, "trainer": {"zero_stage": stage, "micro_batch_size": 2,
                                                               "ppo_mini_batch_size": 8, "grad_clip": 1e9},
                    "rollout": {"prompts_per_step": 2, "group_size": 4}})
@@ -34,7 +35,7 @@ def main(out_path: str, stage: int) -> None:
     mine = mbs[rank * micro:(rank + 1) * micro]
     tokens = sum(float(mb.resp_mask.sum()) for mb in mbs)  # the step-global normaliser
     for mb in mine:
-        lp, _ = actor.engine(mb, 1.0)
+        lp, _ = actor.deepspeed(mb, 1.0)
         actor.backward(-(lp * mb.resp_mask).sum() / tokens)
     ds_norm = actor.grad_norm()
 

@@ -18,7 +18,7 @@ CHUNK = 4  # response tokens per logit chunk: 2 rollouts x 12 tokens = 6 chunks
 
 
 def main(out_path: str) -> None:
-    rank, world = init_distributed()
+    rank = init_distributed().rank
     logprobs_module.LOGIT_CHUNK = CHUNK
     cfg = resolve({"model": {"path": "tiny-qwen2"}, "rollout": {"prompts_per_step": 2, "group_size": 2},
                    "trainer": {"zero_stage": 3, "micro_batch_size": 2, "ppo_mini_batch_size": 4}})
@@ -35,7 +35,7 @@ def main(out_path: str) -> None:
     g = torch.Generator().manual_seed(rank)
     mb = MicroBatch.pack([torch.randint(3, 300, (5,), generator=g).tolist() for _ in range(2)],
                          [torch.randint(3, 300, (12,), generator=g).tolist() for _ in range(2)], 0)
-    lp, _ = actor.engine(mb, 1.0)
+    lp, _ = actor.deepspeed(mb, 1.0)
     forward = gathers["head"]
     actor.backward(-(lp * mb.resp_mask).sum() / 48.0)
     with open(f"{out_path}.{rank}", "w") as f:

@@ -14,7 +14,7 @@ from gapo.trainer.checkpoint import check_shared_filesystem
 
 
 def main(out_path: str, tmp: str) -> None:
-    rank, world = init_distributed(timeout_min=0.05)  # 3 s
+    rank = init_distributed(timeout_min=0.05).rank  # 3 s
     result = {}
     check_shared_filesystem(Path(tmp) / "shared")  # both ranks see it: nothing happens
     try:  # each rank its own directory: to the program, two filesystems

@@ -34,7 +34,8 @@ def main(out_path: str, stage: int) -> None:
     import deepspeed
 
     partitioning_every_weight()
-    rank, world = init_distributed()
+    placement = init_distributed()
+    rank, world = placement.rank, placement.world
     cfg = resolve({"model": {"path": "tiny-qwen2", "dtype": "bfloat16", "lora": {"rank": 4, "alpha": 8.0}},
                    "trainer": {"zero_stage": stage, "micro_batch_size": 2, "ppo_mini_batch_size": 8, "grad_clip": 1e9},
                    "rollout": {"prompts_per_step": 2, "group_size": 4}})
@@ -61,7 +62,7 @@ def main(out_path: str, stage: int) -> None:
     assert [mb.shared is not None for mb in mbs] == [True, False, True, False]
     tokens = sum(float(mb.resp_mask.sum()) for mb in mbs)
     for mb in mbs[rank * micro:(rank + 1) * micro]:
-        lp, _ = actor.engine(mb, 1.0)
+        lp, _ = actor.deepspeed(mb, 1.0)
         actor.backward(-(lp * mb.resp_mask).sum() / tokens)
     ds_norm = actor.grad_norm()
 

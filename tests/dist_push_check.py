@@ -27,7 +27,8 @@ def engine_logprobs(engine: VLLMEngine, seqs: list[list[int]]) -> list[list[floa
 
 
 def main(out_path: str) -> None:
-    rank, world = init_distributed()
+    placement = init_distributed()
+    rank, world = placement.rank, placement.world
     cfg = resolve({"model": {"path": "tiny-qwen2"}, "trainer": {"zero_stage": 3, "lr": 3e-3, "micro_batch_size": 4,
                                                               "ppo_mini_batch_size": 8},
                    # whole sequences are scored as responses here: the run's logit-chunk count must hold them
@@ -46,10 +47,10 @@ def main(out_path: str) -> None:
 
     before = engine_logprobs(engine, seqs)  # cache the prefixes with the initial weights
     # One real update (different data per rank, so gradients are all-reduced for real).
-    logp, _ = actor.engine(mb, 1.0)
+    logp, _ = actor.deepspeed(mb, 1.0)
     actor.backward(-(logp * mb.resp_mask).sum() / mb.resp_mask.sum())
     with torch.no_grad():
-        trainer = actor.engine(mb, 1.0)[0]
+        trainer = actor.deepspeed(mb, 1.0)[0]
     engine.push_weights(actor.gathered_weights(bucket_numel=20_000), version=1)  # tiny buckets: many gather rounds
     after = engine_logprobs(engine, seqs)
 

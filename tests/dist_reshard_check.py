@@ -37,26 +37,27 @@ def step(actor: Actor, seed: int, rank: int, world: int) -> None:
     micro = 2
     for i in range(mine.start, mine.stop, micro):
         mb = MicroBatch.pack(prompts[i:i + micro], responses[i:i + micro], 0)
-        lp, _ = actor.engine(mb, 1.0)
+        lp, _ = actor.deepspeed(mb, 1.0)
         assert actor.backward(-(lp * mb.resp_mask).sum() / (ROWS * 6)) in (None, True)
 
 
 def state(actor: Actor) -> dict:
     """Collective at stages 1-3 (the full tensors are gathered from the partitions)."""
     out = {}
-    for name, p in actor.engine.module.named_parameters():
+    for name, p in actor.deepspeed.module.named_parameters():
         if actor.zero_stage == 0:
-            opt = actor.engine.optimizer.state[p]
+            opt = actor.deepspeed.optimizer.state[p]
             out[name] = [p.detach().float().clone(), opt["exp_avg"].clone(), opt["exp_avg_sq"].clone()]
         else:
             out[name] = [safe_get_full_fp32_param(p).clone(), safe_get_full_optimizer_state(p, "exp_avg").clone(),
                          safe_get_full_optimizer_state(p, "exp_avg_sq").clone()]
     return {"params": out, "lr": actor.lr(), "last_epoch": actor.scheduler.last_epoch,
-            "global_steps": actor.engine.global_steps}
+            "global_steps": actor.deepspeed.global_steps}
 
 
 def main(out: str, phase: str, root: str, dtype: str, saved: int | None = None) -> None:
-    rank, world = init_distributed()
+    placement = init_distributed()
+    rank, world = placement.rank, placement.world
     root = Path(root)
     # A schedule that moves at every optimizer step: a schedule restored at the wrong position shows in the lr.
     cfg = resolve({"model": {"path": "tiny-qwen2", "dtype": dtype},

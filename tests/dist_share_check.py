@@ -24,7 +24,7 @@ def rollouts(rank: int, repeat: bool) -> list[Rollout]:
 
 
 def main(out_path: str) -> None:
-    rank, world = init_distributed()
+    rank = init_distributed().rank
     cfg = resolve({"model": {"path": "tiny-qwen2"}, "rollout": {"prompts_per_step": 2, "group_size": 4},
                    "trainer": {"zero_stage": 3, "micro_batch_size": 4, "ppo_mini_batch_size": 8, "lr": 1e-3}})
     actor = Actor(cfg, str(resolve_model("tiny-qwen2")))
@@ -36,8 +36,8 @@ def main(out_path: str) -> None:
                             torch.ones(n, dtype=torch.bool), mini=4, micro=4, max_tokens=None, pad_id=0,
                             share_prompts=True, device=actor.device)
         (mb,) = mini
-        actor.engine.set_gradient_accumulation_boundary(True)
-        logp, _ = actor.engine(mb, 1.0)
+        actor.deepspeed.set_gradient_accumulation_boundary(True)
+        logp, _ = actor.deepspeed(mb, 1.0)
         actor.backward(-(logp * mb.resp_mask).sum() / 40.0)
         result[case] = {"shared": mb.shared is not None, "grad_norm": actor.grad_norm()}
     with open(f"{out_path}.{rank}", "w") as f:

@@ -23,7 +23,7 @@ CHUNK = 8  # response tokens per logit chunk: 2 rows x 4 or 12 tokens = 1 or 3 c
 
 
 def main(out_path: str) -> None:
-    rank, world = init_distributed()
+    rank = init_distributed().rank
     logprobs_module.LOGIT_CHUNK = CHUNK
     cfg = resolve({"model": {"path": "tiny-qwen2"}, "rollout": {"prompts_per_step": 2, "group_size": 2,
                                                               "max_new_tokens": 12},
@@ -45,16 +45,16 @@ def main(out_path: str) -> None:
                for _ in range(2)]
         # As the loop runs a step: the old-log-prob pass over its micro-batches (no grad, forwards only, a prefix of
         # the trace), then the updates (forward + backward).
-        actor.engine.train()
+        actor.deepspeed.train()
         with torch.no_grad():
             for mb in mbs:
-                actor.engine(mb, 1.0, entropy=True)
+                actor.deepspeed(mb, 1.0, entropy=True)
         for i, mb in enumerate(mbs):
-            actor.engine.set_gradient_accumulation_boundary(i == len(mbs) - 1)
-            lp, _ = actor.engine(mb, 1.0)
+            actor.deepspeed.set_gradient_accumulation_boundary(i == len(mbs) - 1)
+            lp, _ = actor.deepspeed(mb, 1.0)
             actor.backward(-(lp * mb.resp_mask).sum() / 24.0)
     with open(f"{out_path}.{rank}", "w") as f:
-        json.dump({"invalidations": invalidations, "chunks": actor.engine.module.n_chunks}, f)
+        json.dump({"invalidations": invalidations, "chunks": actor.deepspeed.module.n_chunks}, f)
 
 
 if __name__ == "__main__":

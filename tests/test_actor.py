@@ -31,6 +31,7 @@ def test_actor_accumulates_in_fp32_and_skips_a_nan_step(torchrun, dtype, stage, 
         # ... and the learning-rate schedule stayed put on the skipped step, at every stage
         assert res["lr_end_True"] == res["lr_end_False"], res
         assert res["linear_restored"], "zero.Init's F.linear outlived the model's construction"
+        assert res["ref_partitioned"] == (ran_at == 3)  # the KL reference loads as the actor does
         from gapo.memory import REDUCE_BUCKET
 
         assert res["reduce_bucket"] == REDUCE_BUCKET  # the buffer the memory plan counts

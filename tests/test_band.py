@@ -10,7 +10,7 @@ import yaml
 
 from gapo.errors import ConfigError
 from gapo.study import band
-from gapo.study.tables import cli
+from gapo.study.compare import main as cli
 
 
 def _run(d: Path, records: list[dict]) -> Path:

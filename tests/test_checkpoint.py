@@ -61,17 +61,27 @@ def assert_same_steps(a: dict, b: dict, steps, keys_ignored=("branch/parent_step
                 assert a[s][k] == b[s][k], (s, k)
 
 
+def reference(once, nproc: int) -> Path:
+    """The uninterrupted 4-step run (BASE) on `nproc` ranks, checkpoints at steps 2 and 4: made at its first use in
+    the session (conftest's `once`) and shared, read-only, by every test that compares with it or resumes from it,
+    here and in test_lora (which sizes its LoRA checkpoint against the 1-rank one's full fine-tuning state)."""
+
+    def make(folder: Path) -> Path:
+        run(folder / f"u{nproc}", nproc=nproc)
+        return folder / f"u{nproc}"
+
+    return once(f"{nproc}-rank tiny_cpu reference run: {' '.join(BASE)}", make)
+
+
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    d = tmp_path_factory.mktemp("ckpt")
-    run(d / "u1")
-    run(d / "u2", nproc=2)
-    return d
+def base(once):
+    """base(nproc) -> the reference run's directory on nproc ranks (1 or 2)."""
+    return lambda nproc: reference(once, nproc)
 
 
 @pytest.mark.e2e
 def test_checkpoint_layout_and_pruning(base, tmp_path):
-    ck = base / "u1" / "checkpoints"
+    ck = base(1) / "checkpoints"
     assert (ck / "latest").read_text() == "step_000004"
     assert sorted(p.name for p in ck.iterdir()) == ["latest", "step_000002", "step_000004"]
     state = json.loads((ck / "step_000004" / "trainer.json").read_text())
@@ -88,17 +98,19 @@ def test_checkpoint_layout_and_pruning(base, tmp_path):
     diffs = [float((p - q).abs().max().detach()) for p, q in pairs]
     assert max(diffs) > 0
     # keep_last prunes the oldest complete checkpoints
-    shutil.copytree(base / "u1" / "checkpoints", tmp_path / "checkpoints")
+    shutil.copytree(base(1) / "checkpoints", tmp_path / "checkpoints")
     from gapo.trainer.checkpoint import _prune
 
     _prune(tmp_path / "checkpoints", 1)
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == ["step_000004"]
 
 
+# On 1 rank the same resume (a checkpoint given by path, a fresh output directory: a new run from it) is
+# test_intervention_keeps_model_optimizer_and_data_position, whose algorithm change leaves the loss as it was.
 @pytest.mark.e2e
-@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("nproc", [2])
 def test_resume_equals_uninterrupted_at_an_epoch_boundary(base, tmp_path, nproc):
-    ref = base / f"u{nproc}"
+    ref = base(nproc)
     run(tmp_path / "r", nproc=nproc, resume=ref / "checkpoints" / "step_000002")
     assert sorted(metrics(tmp_path / "r")) == [3, 4]
     assert_same_steps(metrics(ref), metrics(tmp_path / "r"), [3, 4])
@@ -126,7 +138,7 @@ def test_kill_9_mid_step_then_resume_the_same_run(base, tmp_path, nproc):
     proc.wait()
     assert (out / "checkpoints" / "latest").read_text() == "step_000002"
     run(out, nproc=nproc, resume=out)  # a run directory resumes from its latest checkpoint
-    assert_same_steps(metrics(base / f"u{nproc}"), metrics(out), [1, 2, 3, 4])
+    assert_same_steps(metrics(base(nproc)), metrics(out), [1, 2, 3, 4])
 
 
 @pytest.mark.e2e
@@ -139,25 +151,27 @@ def test_kill_during_checkpoint_write_leaves_the_previous_one(base, tmp_path):
     assert not (ck / "step_000004").exists()
     run(out, resume=out)
     assert (ck / "latest").read_text() == "step_000004" and not (ck / ".tmp-step_000004").exists()
-    assert_same_steps(metrics(base / "u1"), metrics(out), [1, 2, 3, 4])
+    assert_same_steps(metrics(base(1)), metrics(out), [1, 2, 3, 4])
 
 
 @pytest.mark.e2e
 def test_intervention_keeps_model_optimizer_and_data_position(base, tmp_path):
     """GSPO 3e-3/3e-3 branched into GAPO with eps_hi_max = eps_lo = 3e-3 has the very same loss, so the branch
     must reproduce the parent's steps 3-4 exactly: only possible if weights, Adam moments, LR schedule,
-    sampler and RNG all carried over."""
-    ckpt = base / "u1" / "checkpoints" / "step_000002"
+    sampler and RNG all carried over. It is also the 1-rank case of the exact resume at an epoch boundary from a
+    checkpoint given by path into a fresh directory, which then holds the steps after it only."""
+    ckpt = base(1) / "checkpoints" / "step_000002"
     run(tmp_path / "same", "algorithm.name=gapo", "algorithm.eps_lo=3e-3", "algorithm.eps_hi_max=3e-3",
         resume=ckpt)
     branch = metrics(tmp_path / "same")
+    assert sorted(branch) == [3, 4]
     assert branch[3]["branch/parent_step"] == 2
-    assert_same_steps(metrics(base / "u1"), branch, [3, 4])
+    assert_same_steps(metrics(base(1)), branch, [3, 4])
 
 
 @pytest.mark.e2e
 def test_intervention_changes_the_loss_and_records_its_parent(base):
-    parent = base / "u1"
+    parent = base(1)
     ckpt = parent / "checkpoints" / "step_000002"
     # No output_dir override: the branch goes next to its parent, which stays untouched.
     before = (parent / "metrics.jsonl").read_text()
@@ -194,17 +208,20 @@ def test_intervention_changes_the_loss_and_records_its_parent(base):
                                "wandb_id": json.loads((ckpt / "trainer.json").read_text())["wandb_id"]}
 
 
-@pytest.mark.e2e
-@pytest.mark.parametrize("damage, needle", [
-    ("trainer.json", "trainer.json is truncated or padded"),
-    ("ds", "ds/state/mp_rank_00_model_states.pt is missing"),
-    ("rng_rank0.pt", "rng_rank0.pt is missing"),
-    ("latest", "names step_000009, which is missing"),
-    ("trainer.json, no manifest", "cannot read trainer.json"),  # a checkpoint written before manifests
-])
-def test_damaged_checkpoints_give_a_clear_error(base, tmp_path, damage, needle):
-    run_dir = tmp_path / "d"
-    shutil.copytree(base / "u1", run_dir)
+def _refused_on_resume(run_dir: Path, resume: Path, *overrides: str) -> str:
+    """The ConfigError that a gapo-train rank's first call (loop.setup: checkpoint.resume_or_branch, before anything
+    is built) raises for this resume, in this process: a failing start of gapo-train costs ~10 s on 2 cores."""
+    from gapo.config import load_config
+    from gapo.trainer.checkpoint import resume_or_branch
+
+    cfg = load_config("tiny_cpu", [f"trainer.output_dir={run_dir}", *BASE, f"trainer.resume_from={resume}",
+                                   *overrides])
+    with pytest.raises(ConfigError) as err:
+        resume_or_branch(cfg, world=1, rank=0)
+    return str(err.value)
+
+
+def _damage(run_dir: Path, damage: str) -> None:
     ck = run_dir / "checkpoints" / "step_000004"
     if damage.startswith("trainer.json"):
         (ck / "trainer.json").write_text('{"step": 4, "sampl')
@@ -216,8 +233,27 @@ def test_damaged_checkpoints_give_a_clear_error(base, tmp_path, damage, needle):
         shutil.rmtree(ck / "ds")
     else:
         (ck / damage).unlink()
-    r = run(run_dir, "trainer.total_steps=5", resume=run_dir, ok=False)
-    assert r.returncode == 2 and needle in r.stderr, r.stderr[-3000:]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("damage, needle", [
+    ("trainer.json", "trainer.json is truncated or padded"),
+    ("ds", "ds/state/mp_rank_00_model_states.pt is missing"),
+    ("rng_rank0.pt", "rng_rank0.pt is missing"),
+    ("latest", "names step_000009, which is missing"),
+    ("trainer.json, no manifest", "cannot read trainer.json"),  # a checkpoint written before manifests
+])
+def test_damaged_checkpoints_give_a_clear_error(base, tmp_path, damage, needle):
+    """Each kind of damage to a real run's checkpoint, refused by resume_or_branch with its message; one of them
+    through gapo-train too, which exits 2 (a config error) with the same message on stderr. (Every kind went
+    through gapo-train until issue 46: the path from the refusal to the exit code is the same for all.)"""
+    run_dir = tmp_path / "d"
+    shutil.copytree(base(1), run_dir)
+    _damage(run_dir, damage)
+    assert needle in _refused_on_resume(run_dir, run_dir, "trainer.total_steps=5")
+    if damage == "trainer.json":
+        r = run(run_dir, "trainer.total_steps=5", resume=run_dir, ok=False)
+        assert r.returncode == 2 and needle in r.stderr, r.stderr[-3000:]
 
 
 @pytest.mark.e2e
@@ -227,8 +263,12 @@ def test_damaged_checkpoints_give_a_clear_error(base, tmp_path, damage, needle):
     (["trainer.micro_batch_size=4"], 2, "trainer.micro_batch_size: 8 -> 4"),
 ])
 def test_unsafe_changes_on_resume_are_refused(base, tmp_path, args, nproc, needle):
-    r = run(tmp_path / "x", *args, nproc=nproc, resume=base / "u1", ok=False)
-    assert r.returncode != 0 and needle in r.stderr, r.stderr[-3000:]
+    """Refused by resume_or_branch, naming the key; on 2 ranks through gapo-train too, which stops every rank and
+    exits non-zero with the message (the 1-rank cases went through gapo-train as well until issue 46)."""
+    assert needle in _refused_on_resume(tmp_path / "x", base(1), *args)
+    if nproc == 2:
+        r = run(tmp_path / "x", *args, nproc=nproc, resume=base(1), ok=False)
+        assert r.returncode != 0 and needle in r.stderr, r.stderr[-3000:]
 
 
 # --- the resume / branch decision on its own (no training: a checkpoint's files written by hand) ------------
@@ -438,7 +478,7 @@ def test_sigterm_saves_exits_75_and_the_resumed_run_is_the_uninterrupted_one(bas
     assert "resume     auto: from " in r.stderr
     resumed = metrics(out)
     assert sorted(resumed) == list(range(1, 9))
-    assert_same_steps(metrics(base / f"u{nproc}"), resumed, [1, 2, 3, 4])
+    assert_same_steps(metrics(base(nproc)), resumed, [1, 2, 3, 4])
 
 
 @pytest.mark.e2e
@@ -460,7 +500,7 @@ def test_a_step_past_the_deadline_is_abandoned_twice_and_the_run_resumes_exactly
     again = (ck / "step_000002" / "manifest.json").stat()
     assert (again.st_ino, again.st_mtime_ns) == (kept.st_ino, kept.st_mtime_ns)  # not rewritten
     run(out, "--resume", "auto")
-    assert_same_steps(metrics(base / "u1"), metrics(out), [1, 2, 3, 4])
+    assert_same_steps(metrics(base(1)), metrics(out), [1, 2, 3, 4])
 
 
 @pytest.fixture
@@ -478,7 +518,7 @@ def small_disk(tmp_path):
 
 
 @pytest.mark.e2e
-def test_a_full_disk_while_saving_keeps_the_previous_checkpoints(base, tmp_path, small_disk):
+def test_a_full_disk_while_saving_keeps_the_previous_checkpoints(tmp_path, small_disk):
     """On a real filesystem that fills up after the room check (another job writing there), DeepSpeed's torch.save
     and the export fail as they really do; without one we can mount, the failure is injected as an OSError."""
     out = (small_disk or tmp_path) / "f"
@@ -527,7 +567,7 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks(base, tmp_path, saved, 
     world size): the same tokens and rewards as the uninterrupted run. Its later metrics are not compared: which
     rollouts share a mini-batch follows the world size (docs/REFERENCE.md); the state itself is checked exactly
     by test_a_resharded_checkpoint_holds_the_saved_state."""
-    parent = base / f"u{saved}"
+    parent = base(saved)
     out = tmp_path / "r"
     r = run(out, nproc=now, resume=parent / "checkpoints" / "step_000002")
     assert f"checkpoint was written by {saved} ranks, this run has {now}" in r.stderr
@@ -578,6 +618,22 @@ def test_the_launcher_keeps_a_rank_exit_that_explains_itself():
     assert exit_code({3, term}) == 3 and exit_code({2}) == 2
     assert exit_code({1}) is None and exit_code({kill}) is None and exit_code({3, 1}) is None
     assert exit_code({75, 3}) is None  # two different stories: name the ranks
+
+
+def test_exit_codes_have_one_table():
+    """gapo-train's ranks, its launcher and its --help take their exit codes from gapo.errors.Exit: a code written
+    as a number in one of them would drift from the others (a requeue script tests for 75)."""
+    import re
+
+    from gapo import cli, launch
+    from gapo.errors import EXPLAINED, Exit
+
+    for code in (*EXPLAINED, Exit.PREEMPTED):
+        assert launch.exit_code({code, -signal.SIGTERM}) == code
+    assert f"exit {Exit.PREEMPTED};" in cli.TRAIN_DESCRIPTION
+    for module in (cli, launch):
+        source = Path(module.__file__).read_text()
+        assert not re.findall(r"return \d|code (?:not )?in \(\d|code == \d|exit \d", source), module.__name__
 
 
 def test_ranks_killed_by_a_preemption_signal_before_their_handler_are_preempted_too():

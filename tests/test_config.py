@@ -170,6 +170,8 @@ def test_help_lists_the_described_fields(capsys):
     text = out[at:].split("\n  algorithm.eps_hi_max\n", 1)[1].split("\n  algorithm.")[0]
     assert " ".join(text.split()) == AlgorithmConfig.model_fields["eps_hi_max"].description
     assert "\n  eval.protocol.table\n" in out
+    model_path = " ".join(out.split("\n  model.path\n", 1)[1].split("\n  model.")[0].split())
+    assert "Hugging Face hub id" in model_path and "Qwen/Qwen2.5-Math-1.5B" in model_path  # not only local folders
 
 
 def test_overrides_stand_before_and_after_resume(capsys):
@@ -266,3 +268,16 @@ def test_the_one_gpu_recipe_fits_24_and_48_gb_and_prices_its_host_memory():
     table = offload_table(cfg, 1, [24.0, 48.0]).splitlines()
     assert any(line.strip().startswith("optimizer (this config)") and line.count("fits") == 2 for line in table)
     assert any(line.strip().startswith("none ") and line.count("NO") == 2 for line in table)
+
+
+def test_algorithm_names_and_clip_rules_come_from_the_presets_table():
+    """algorithm.name accepts exactly the presets of PRESETS (a new preset is one row there), and each preset's
+    clip is a rule the loss knows."""
+    from typing import get_args
+
+    from gapo.config import PRESETS, ClipRule
+
+    assert get_args(AlgorithmConfig.model_fields["name"].annotation) == tuple(PRESETS)
+    assert {p["clip"] for p in PRESETS.values()} == set(get_args(ClipRule))
+    with pytest.raises(Exception, match="gapo_token"):  # the error lists the presets
+        AlgorithmConfig(name="ppo")

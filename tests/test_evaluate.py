@@ -11,7 +11,7 @@ import pytest
 from gapo.data import arithmetic_problems
 from gapo.evaluation import BenchResult, summary
 from gapo.metrics import pass_at_k
-from gapo.study.evaluate import resolve_eval_model
+from gapo.study.eval import resolve_eval_model
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -133,7 +133,7 @@ def hub_fails(monkeypatch):
 def test_named_benchmark_nowhere_names_the_file_the_dataset_and_the_fixes(tmp_path, monkeypatch, hub_fails, capsys):
     from gapo.config import ConfigError
     from gapo.evaluation import load_benchmark
-    from gapo.study.evaluate import main
+    from gapo.study.eval import main
 
     monkeypatch.setenv("GAPO_DATA_DIR", str(tmp_path))
     with pytest.raises(ConfigError) as err:
@@ -195,6 +195,34 @@ def test_validation_during_training(two_runs):
 
 
 @pytest.mark.e2e
+def test_validation_and_gapo_eval_score_the_same_problems(tmp_path, small_sums):
+    """A benchmark is one problem set wherever it is scored: a prompt longer than data.max_prompt_tokens is
+    scored, not dropped by validation alone, and the held-out arithmetic set avoids the run's own arithmetic
+    set (its levels, size and seed) in gapo-eval --run as in validation."""
+    long = tmp_path / "long.jsonl"
+    rows = [json.loads(x) for x in small_sums.read_text().splitlines()][:3]
+    rows[1]["problem"] = "Add these: " + " + ".join(["1"] * 100) + "?"  # over tiny_cpu's 128 prompt tokens
+    long.write_text("".join(json.dumps(x) + "\n" for x in rows))
+    run, specs = tmp_path / "run", f"long={long},arithmetic"
+    r = subprocess.run([str(BIN / "gapo-train"), "--config", "configs/tiny_cpu.yaml", f"trainer.output_dir={run}",
+                        "trainer.total_steps=1", f"eval.benchmarks=[{specs}]", "eval.limit=6", "eval.n=2",
+                        "eval.max_new_tokens=8", "tracking.mode=disabled"],
+                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    r = subprocess.run([str(BIN / "gapo-eval"), "--run", str(run), "--benchmarks", specs, "--limit", "6", "--n", "2",
+                        "--max-new-tokens", "8"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+
+    def problems(results: Path) -> list[tuple[str, str]]:
+        return [(x["benchmark"], x["uid"]) for x in map(json.loads, (results / "per_problem.jsonl").open())]
+
+    validated = problems(run / "val" / "step_000001")
+    assert validated == problems(run / "eval" / "custom" / "step_000001")
+    assert [u for b, u in validated if b == "long"] == [x["id"] for x in rows]
+    assert len([u for b, u in validated if b == "arithmetic"]) == 6
+
+
+@pytest.mark.e2e
 def test_plots_from_two_real_runs(two_runs, tmp_path):
     from gapo.study.figures import load_run
     from gapo.study.plot import build_figures, main
@@ -213,10 +241,12 @@ def test_plots_from_two_real_runs(two_runs, tmp_path):
 
 
 def test_arithmetic_benchmark_is_held_out_from_training_and_follows_its_levels():
+    from gapo.config import DataConfig
     from gapo.evaluation import load_benchmark
 
     train = {p.question for p in arithmetic_problems(300, seed=1, levels=["add_small"])}
-    b = load_benchmark("arithmetic", 60, exclude=train, levels=["add_small"])
+    data = DataConfig(arithmetic_size=300, arithmetic_seed=1, arithmetic_levels=["add_small"])
+    b = load_benchmark("arithmetic", 60, data)
     name, kind, probs = b.name, b.kind, b.problems
     assert (name, kind, len(probs)) == ("arithmetic", "math", 60)
     assert all(p.meta["level"] == "add_small" for p in probs) and not {p.question for p in probs} & train
@@ -378,7 +408,7 @@ def test_each_run_is_evaluated_with_its_own_seed_unless_one_is_given(tmp_path):
     import yaml
 
     from gapo import rundir
-    from gapo.study.evaluate import parser, run_jobs
+    from gapo.study.eval import parser, run_jobs
 
     runs = {}
     for seed in (0, 3):
@@ -401,7 +431,7 @@ def test_a_run_is_scored_with_its_own_instruction_and_rewarder_settings(tmp_path
 
     from gapo import rundir
     from gapo.config import ConfigError
-    from gapo.study.evaluate import parser, run_jobs
+    from gapo.study.eval import parser, run_jobs
 
     ckpt = tmp_path / "run" / rundir.CHECKPOINTS / "step_000002"
     ckpt.mkdir(parents=True)
@@ -421,3 +451,41 @@ def test_a_run_is_scored_with_its_own_instruction_and_rewarder_settings(tmp_path
     (out / "results.json").write_text(json.dumps({"meta": {"settings": {"instruction": None}}}))
     with pytest.raises(ConfigError, match="was evaluated with other settings"):
         run_jobs(parser().parse_args(["--run", str(tmp_path / "run"), "--benchmarks", "arithmetic"]), tmp_path / "run")
+
+
+def test_gapo_eval_and_a_manifest_offer_the_configs_engine_choices():
+    """--engine, --dtype and --compile of gapo-eval, and a sweep manifest's eval.compile, accept what the training
+    config accepts: a mode added to the config reaches them."""
+    from typing import get_args
+
+    from gapo.config import ModelConfig, RolloutConfig
+    from gapo.study.eval import parser
+    from gapo.study.manifest import EvalSpec
+
+    choices = {a.dest: list(a.choices) for a in parser()._actions if a.choices}
+    config = {"engine": RolloutConfig, "dtype": ModelConfig, "compile": RolloutConfig}
+    for flag, section in config.items():
+        assert choices[flag] == list(get_args(section.model_fields[flag].annotation)), flag
+    assert get_args(EvalSpec.model_fields["compile"].annotation) == tuple(choices["compile"])
+
+
+def test_the_engine_context_holds_every_prompt_of_a_benchmark_as_it_is_sampled():
+    """No problem is left out for its length (validation and gapo-eval score the same set): the context grows to the
+    longest prompt, counted with the instruction appended as it is sampled (never to a bare IFEval prompt), and a
+    prompt with no room for a response is an error naming the benchmark and the problem."""
+    from gapo.config import ConfigError
+    from gapo.data import Problem
+    from gapo.evaluation import Bench, context_length
+
+    class Words:  # one token per word, no template
+        def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+            return list(range(len(messages[0]["content"].split())))
+
+    bench = Bench("b", "math", [Problem("short", "1 + 1?", "2"), Problem("long", " ".join(["x"] * 300), "1")])
+    assert context_length([bench], Words(), "Box it.", 64, None) == 302 + 64
+    assert context_length([bench], Words(), "Box it.", 64, 320) == 320  # a response ends at the model's positions
+    bare = Bench("i", "ifeval", [Problem("1", " ".join(["x"] * 310), ["punctuation:no_comma"])])
+    assert context_length([bench, bare], Words(), "Box it.", 8, None) == 310 + 8
+    with pytest.raises(ConfigError, match="benchmark 'b', problem long: its prompt is 302 tokens, and the model has "
+                                          "302 positions"):
+        context_length([bench], Words(), "Box it.", 64, 302)

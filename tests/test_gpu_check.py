@@ -17,8 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.e2e
-@pytest.mark.smoke
+@pytest.mark.e2e  # not smoke: the sweep chain is the fast tier's pass through the real stack
 def test_the_gpu_check_passes_its_cpu_smoke_run(tmp_path):
     r = subprocess.run(["bash", "bench/gpu/check.sh", "--cpu-smoke", "--out", str(tmp_path)], cwd=ROOT,
                        env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}, capture_output=True, text=True, timeout=900)

@@ -238,7 +238,7 @@ def test_cpu_checkpoint_has_no_cuda_state_and_loads_on_gpu(fake_cuda, monkeypatc
     expected = torch.rand(3)
     monkeypatch.setattr(checkpoint.dist, "get_rank", lambda: 0)
     monkeypatch.setattr(checkpoint.dist, "get_world_size", lambda: 1)
-    actor = types.SimpleNamespace(engine=types.SimpleNamespace(load_checkpoint=lambda *a, **k: ("ok", {})),
+    actor = types.SimpleNamespace(deepspeed=types.SimpleNamespace(load_checkpoint=lambda *a, **k: ("ok", {})),
                                   cfg=types.SimpleNamespace(model=types.SimpleNamespace(lora=None)))
     checkpoint.load(actor, tmp_path, 1, tmp_path)  # written by 1 rank, loaded by 1
     assert torch.equal(torch.rand(3), expected)
@@ -368,7 +368,8 @@ def test_each_rank_binds_its_gpu_before_the_process_group_exists(monkeypatch):
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 4)
     for key, value in {"RANK": "3", "LOCAL_RANK": "3", "WORLD_SIZE": "4"}.items():
         monkeypatch.setenv(key, value)
-    assert distributed.init_distributed() == (3, 4)
+    placement = distributed.init_distributed()
+    assert (placement.rank, placement.world) == (3, 4)
     assert calls == [("set_device", 3), ("init", "nccl")]
 
 
@@ -388,7 +389,7 @@ def test_a_reshard_onto_one_rank_places_adams_moments_with_their_parameters(tmp_
     torch.save({"lr_scheduler": scheduler.state_dict(), "global_steps": 5, "global_samples": 40, "skipped_steps": 0},
                tmp_path / "mp_rank_00_model_states.pt")
     engine = types.SimpleNamespace(module=model, optimizer=optimizer)
-    checkpoint._universal_to_stage0(types.SimpleNamespace(engine=engine, scheduler=scheduler), tmp_path)
+    checkpoint._universal_to_stage0(types.SimpleNamespace(deepspeed=engine, scheduler=scheduler), tmp_path)
     for p in model.parameters():
         state = optimizer.state[p]
         assert state["exp_avg"].device == state["exp_avg_sq"].device == p.device == torch.device("meta")

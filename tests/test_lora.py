@@ -203,10 +203,16 @@ def test_a_bf16_lora_run_at_a_small_lr_keeps_the_engine_on_the_trainers_policy(t
     assert all(m["sync/probe_logprob_diff"] < 5e-3 and m["logprob_mismatch/mean_abs"] < 5e-3 for m in steps), steps
 
 
+# The faults on 2 ranks (ZeRO-3, adapters partitioned) only (issue 46; until then also on 1 rank, and "skip" too):
+# - "drop" and "stale" wrap what Actor.gathered_weights yields, after the gather and the LoRA merge, so what they test
+#   on a LoRA run is that the merged push goes through the same receipt and probe; every rank runs them (rank 0 as a
+#   1-rank run would). That a 1-rank run stops on them is test_sync's [1] cases (full weights: the same checks), and
+#   that a 1-rank LoRA run's pushes are verified at all is test_a_lora_run_trains_through_with_every_push_verified[1].
+# - "skip" (tests/dist_sync_check.py replaces sync.push whole) never reaches the LoRA merge: on a LoRA run it would
+#   test only the weight-version check, the very code of test_sync's skip cases on 1 and 2 ranks.
 @pytest.mark.dist
-@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("nproc", [2])
 @pytest.mark.parametrize("fault, lr, needle", [
-    ("skip", "1e-3", "rollouts of step 3 were sampled with weight version(s) [1], expected 2"),
     ("drop", "1e-3", "never reached the engine: model.layers.1.mlp.down_proj.weight"),
     # one merged tensor a step old: at lr 1e-3 a LoRA step moves the probe by 4e-5, under the fp32 tolerance (the
     # probe's limit, as for full weights: the versions and names still hold); at 1e-2 by 0.04
@@ -229,19 +235,23 @@ def _size(folder) -> int:
 
 
 @pytest.fixture(scope="module")
-def lora_runs(tmp_path_factory):
-    """4-step LoRA runs (checkpoints at 2 and 4) on 1 and 2 ranks, and a full fine-tuning run to compare sizes."""
-    from test_checkpoint import run
+def lora_runs(tmp_path_factory, once):
+    """4-step LoRA runs (checkpoints at 2 and 4) on 1 and 2 ranks, and, to compare sizes with, test_checkpoint's
+    4-step full fine-tuning run on 1 rank (shared through `once`; its checkpoint's sizes depend on the model and
+    the optimizer, not on the learning rate or the algorithm)."""
+    from test_checkpoint import reference, run
 
     d = tmp_path_factory.mktemp("lora")
     run(d / "l1", *LORA)
     run(d / "l2", *LORA, nproc=2)
-    run(d / "full", "trainer.lr=1e-3")
+    (d / "full").symlink_to(reference(once, 1), target_is_directory=True)
     return d
 
 
+# On 1 rank the same resume (into a fresh directory, by the checkpoint's path) is
+# test_a_lora_checkpoint_branches_into_another_algorithm, whose algorithm change leaves the loss as it was.
 @pytest.mark.e2e
-@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("nproc", [2])
 def test_a_lora_run_resumes_exactly_from_its_adapter_checkpoint(lora_runs, tmp_path, nproc):
     from test_checkpoint import assert_same_steps, metrics, run
 
@@ -281,12 +291,15 @@ def test_a_lora_checkpoint_is_small_and_exports_merged_weights(lora_runs):
 @pytest.mark.e2e
 def test_a_lora_checkpoint_branches_into_another_algorithm(lora_runs, tmp_path):
     """The step-600 intervention from an adapter checkpoint: GSPO 3e-3/3e-3 branched into GAPO with the same
-    bounds has the same loss, so the branch reproduces the parent exactly (adapters, moments, schedule, data)."""
+    bounds has the same loss, so the branch reproduces the parent exactly (adapters, moments, schedule, data). Also
+    the 1-rank case of test_a_lora_run_resumes_exactly_from_its_adapter_checkpoint: the fresh directory holds the
+    steps after the checkpoint only."""
     from test_checkpoint import assert_same_steps, metrics, run
 
     run(tmp_path / "b", *LORA, "algorithm.name=gapo", "algorithm.eps_lo=3e-3", "algorithm.eps_hi_max=3e-3",
         resume=lora_runs / "l1" / "checkpoints" / "step_000002")
     branch = metrics(tmp_path / "b")
+    assert sorted(branch) == [3, 4]
     assert branch[3]["branch/parent_step"] == 2
     assert_same_steps(metrics(lora_runs / "l1"), branch, [3, 4])
 

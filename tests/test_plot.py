@@ -71,7 +71,7 @@ def runs(tmp_path: Path) -> tuple[Path, Path]:
     return a, b
 
 
-LABELS = ("gapo_run (gapo 3e-3/5e-3)", "gspo_dir (gspo 3e-3/3e-3)")
+LABELS = ("gapo_run (gapo 3e-3/5e-3 adaptive)", "gspo_dir (gspo 3e-3/3e-3)")
 
 
 def _series_lines(ax) -> list:
@@ -82,7 +82,7 @@ def _series_lines(ax) -> list:
 def test_default_labels_and_loading(runs):
     a, b = (load_run(d) for d in runs)
     assert (a.label, b.label) == LABELS
-    assert a.clip_range == "3e-3/5e-3" and a.algorithm == "gapo"
+    assert a.clip_range == "3e-3/5e-3 adaptive" and a.algorithm == "gapo"
     reward = dict(a.get("reward/mean"))
     assert reward[6] == 0.999  # the later line of a repeated step wins
     assert a.steps == list(range(1, 13))
@@ -152,7 +152,7 @@ def test_no_val_keys_skips_val_figures(tmp_path):
     index = (out / "index.md").read_text()
     assert index.count("Not drawn:") == 2 and "rollouts_" not in index  # no rollouts.jsonl, no page
     assert "](val_pass.png)" not in index
-    assert "| mine | gapo | adaptive | 0.2/0.28 |" in index
+    assert "| mine | gapo | 0.2/0.28 adaptive |" in index
 
 
 def test_missing_dir_and_missing_metrics(tmp_path, capsys):
@@ -254,7 +254,7 @@ def test_rollout_pages(runs, tmp_path):
     (a / "rollouts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     out = tmp_path / "plots"
     assert main([str(a), str(runs[1]), "--out", str(out), "--rollout-steps", "1,3"]) == 0
-    page_name = "rollouts_gapo_run_gapo_3e-3_5e-3.html"
+    page_name = "rollouts_gapo_run_gapo_3e-3_5e-3_adaptive.html"
     assert sorted(p.name for p in out.glob("*.html")) == [page_name]  # run B has no rollouts.jsonl
     page = (out / page_name).read_text()
     assert f"]({page_name})" in (out / "index.md").read_text()
@@ -272,3 +272,16 @@ def test_rollout_pages(runs, tmp_path):
     # default steps: first, middle, last
     main([str(a), "--out", str(out)])
     assert (out / page_name).read_text().count('<h2 id="step-') == 3
+
+
+@pytest.mark.parametrize("option, message", [(["--smooth", "0"], "--smooth must be >= 1, got 0"),
+                                             (["--steps", "5:2"], "--steps '5:2': the first step is after the last")])
+def test_plot_and_compare_seeds_read_smooth_and_steps_alike(tmp_path, capsys, option, message):
+    """--smooth and --steps are one pair of options (gapo.study.figures.add_figure_options): gapo-plot and
+    gapo-compare seeds refuse a bad value with the same words, before reading any run."""
+    from gapo.study.compare import main as compare
+
+    assert main([str(tmp_path / "a"), "--out", str(tmp_path / "out"), *option]) == 2
+    assert compare(["seeds", "--out", str(tmp_path / "out"), f"x={tmp_path / 'a'},{tmp_path / 'b'}", *option]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"gapo-plot: error: {message}", f"gapo-compare: error: {message}"]

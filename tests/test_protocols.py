@@ -9,7 +9,7 @@ import pytest
 
 from gapo.config import ConfigError, load_config
 from gapo.evaluation import BENCHMARKS
-from gapo.study.evaluate import apply_protocol, main, parser
+from gapo.study.eval import apply_protocol, main, parser
 
 MATH6 = ["aime24", "aime25", "amc", "math500", "minerva", "olympiad_bench"]
 PAPER = {

@@ -1,12 +1,15 @@
 """Split placement (rollout.placement: split, gapo/rollout/split.py): generator ranks sample while trainer ranks train.
 
-The bridge protocol is checked in-process on a real gloo bridge (three threads, a stand-in engine that stamps the
-weight version it samples with); the whole job with the real stack (vLLM + DeepSpeed ZeRO-3 on gloo, 1 generator and
-2 trainers): synchronous split equals colocated metric for metric, one step of staleness resumes exactly after a
-preemption, a dead generator is named."""
+The protocol is checked in-process (three threads, a stand-in engine that stamps the weight version it samples with)
+over each transport: a real gloo bridge, and a toy one of queues that shows the protocol asks nothing more of one.
+The whole job with the real stack (vLLM + DeepSpeed ZeRO-3 on gloo, 1 generator and 2 trainers): synchronous split
+equals colocated metric for metric, one step of staleness resumes exactly after a preemption, a dead generator is
+named."""
 
 import json
 import os
+import pickle
+import queue
 import signal
 import subprocess
 import threading
@@ -20,8 +23,12 @@ import torch.distributed as dist
 from test_checkpoint import ENV, ROOT, _pids_of, _rollouts, _wait_for_step, assert_same_steps, cmd, metrics, run
 
 from gapo.config import ConfigError, load_config
+from gapo.data import Sampler
+from gapo.distributed import Placement
 from gapo.rollout import split
+from gapo.rollout.transport import GlooBridge
 from gapo.rollout.types import PushReceipt, Rollout, SamplingConfig
+from gapo.trainer.rollouts import RolloutQueue
 
 SPLIT = ["rollout.placement=split", "rollout.generator_ranks=1"]
 
@@ -40,19 +47,60 @@ def test_split_settings_that_cannot_work_are_refused(overrides, needle):
 
 
 def test_each_trainer_has_one_generator_and_the_first_ones_lead():
-    p = split.Placement(global_rank=0, trainers=3, generators=2, bridge=None)
+    p = Placement(rank=0, world=3, global_rank=0, trainers=3, generators=2)
     assert [p.generator_of(t) for t in range(3)] == [3, 4, 3]
     assert p.trainers_of(3) == [0, 2] and p.trainers_of(4) == [1]
-    assert not p.is_generator and split.Placement(3, 3, 2, None).is_generator
+    assert not p.is_generator and Placement(0, 2, 3, 3, 2).is_generator
 
 
-# --- the protocol, in-process ------------------------------------------------------------------------------------
+# --- the protocol, in-process, over each transport ---------------------------------------------------------------
+
+class InProcess:
+    """A toy Transport between threads: one message queue per rank (a receive from one sender sets the others' aside,
+    as gloo matches by sender), and one weight queue per rank that holds a single tensor, so that weights stream."""
+
+    def __init__(self, hub: dict, rank: int):
+        self.hub, self.rank, self.aside = hub, rank, []
+
+    def _queue(self, kind: str, rank: int) -> queue.Queue:
+        return self.hub.setdefault((kind, rank), queue.Queue(maxsize=1 if kind == "weights" else 0))
+
+    def send(self, msg, dst):
+        self._queue("messages", dst).put((pickle.dumps(msg), self.rank))
+
+    def recv(self, src=None):
+        for i, (data, sender) in enumerate(self.aside):
+            if src in (None, sender):
+                del self.aside[i]
+                return pickle.loads(data), sender
+        while True:
+            data, sender = self._queue("messages", self.rank).get(timeout=20)
+            if src in (None, sender):
+                return pickle.loads(data), sender
+            self.aside.append((data, sender))
+
+    def send_weights(self, weights, dst):
+        for name, t in weights:
+            self._queue("weights", dst).put((self.rank, name, t.clone()), timeout=20)
+        self._queue("weights", dst).put((self.rank, None, None), timeout=20)
+
+    def recv_weights(self, src):
+        while True:
+            sender, name, t = self._queue("weights", self.rank).get(timeout=20)
+            assert sender == src, f"weights from {sender}, expected {src}"
+            if name is None:
+                return
+            yield name, t
+
+    def release(self):
+        pass
+
 
 class StampingEngine:
     """Samples nothing: each 'rollout' carries the weight version the engine held when the request was served."""
 
-    def __init__(self):
-        self.version, self.pushed = 0, []
+    def __init__(self, events: list):
+        self.version, self.pushed, self.events = 0, [], events
 
     def generate(self, prompts, sampling, seeds):
         time.sleep(0.05)  # long enough for the trainers' messages to queue up behind it
@@ -60,27 +108,44 @@ class StampingEngine:
         return [[Rollout(p, [s], [0.0], False, str(s), version=self.version)] for p, s in pairs]
 
     def push_weights(self, weights, version):
-        got = list(weights)
-        self.pushed.append((version, [(n, float(t.sum())) for n, t in got]))
+        got = []
+        for name, t in weights:
+            self.events.append(f"loaded {name}")
+            got.append((name, float(t.sum())))
+        self.pushed.append((version, got))
         self.version = version
         return PushReceipt(received=[n for n, _ in got], unloaded=[])
 
 
-def _bridge_job(trainer_body, trainers: int = 2) -> tuple[dict, StampingEngine, str]:
-    """Run `trainer_body(engine: RemoteEngine, trainer: int) -> result` on `trainers` threads and split.serve on one
-    more, over a real gloo bridge; returns the results by trainer, the generator's engine and why it stopped."""
-    store, world = dist.HashStore(), trainers + 1
-    engine, results, errors, why = StampingEngine(), {}, [], []
+def gloo(store, r, trainers):
+    return GlooBridge(Placement(r, 0, r, trainers, 1, store, timedelta(seconds=20)))
+
+
+def in_process(hub, r, trainers):  # noqa: ARG001 - a transport factory's signature
+    return InProcess(hub, r)
+
+
+TRANSPORTS = pytest.mark.parametrize("transport", [gloo, in_process], ids=["gloo", "in_process"])
+
+
+def _bridge_job(transport, trainer_body, trainers: int = 2) -> tuple[dict, StampingEngine, str, list]:
+    """Run `trainer_body(engine: RemoteEngine, trainer: int, events: list) -> result` on `trainers` threads and
+    split.serve on one more, over `transport`; returns the results by trainer, the generator's engine, why it stopped
+    and the events both sides logged."""
+    shared = dist.HashStore() if transport is gloo else {}
+    world, events = trainers + 1, []
+    engine, results, errors, why = StampingEngine(events), {}, [], []
 
     def rank(r):
         try:
-            placement = split.connect(store, r, trainers, 1, timedelta(seconds=20))
+            placement = Placement(r, 0, r, trainers, 1)
+            link = transport(shared, r, trainers)
             if placement.is_generator:
-                why.append(split.serve(placement, lambda model_dir, max_len: engine))
+                why.append(split.serve(placement, link, lambda model_dir, max_len: engine))
                 return
-            remote = split.RemoteEngine(placement, r)
+            remote = split.RemoteEngine(placement, link)
             remote.hello("model", "/nonexistent/run", 64)
-            results[r] = trainer_body(remote, r)
+            results[r] = trainer_body(remote, r, events)
             remote.close("done")
         except BaseException as err:  # noqa: BLE001 (re-raised below, in the test's thread)
             errors.append(err)
@@ -92,20 +157,21 @@ def _bridge_job(trainer_body, trainers: int = 2) -> tuple[dict, StampingEngine, 
         t.join(60)
     assert not errors, errors
     assert not any(t.is_alive() for t in threads), "the bridge hung"
-    return results, engine, why[0]
+    return results, engine, why[0], events
 
 
 SAMPLING = SamplingConfig(n=1, temperature=1.0, top_p=1.0, max_new_tokens=4, stop_token_ids=[])
 
 
-def test_requests_sent_ahead_keep_their_weights_and_answers_keep_their_order():
+@TRANSPORTS
+def test_requests_sent_ahead_keep_their_weights_and_answers_keep_their_order(transport):
     """Each trainer sends steps 1 and 2 before training step 1 (max_staleness 1), pushes, sends step 3, evaluates
     (a synchronous generate that overtakes nothing), then collects 2 and 3. Step 2 was sent before push 1, so it is
     sampled with version 0 on every timing; step 3 and the evaluation come after it, with version 1. Trainer 1 pushes
-    late: the generator holds the leader's weights until trainer 1's header arrives, and trainer 0's step-3 request
-    cannot overtake the push."""
+    late: the generator takes the leader's weights only once trainer 1's header has arrived, and trainer 0's step-3
+    request cannot overtake the push."""
 
-    def body(remote, t):
+    def body(remote, t, events):
         a = remote.submit([[t, 1]], SAMPLING, [10 + t])
         b = remote.submit([[t, 2]], SAMPLING, [20 + t])
         first = remote.collect()
@@ -113,9 +179,7 @@ def test_requests_sent_ahead_keep_their_weights_and_answers_keep_their_order():
             time.sleep(0.3)
         weights = iter([("w", torch.full((3,), 2.0)), ("v", torch.ones(2))])
         receipt = remote.push_weights(weights, 1)
-        # Nothing sent before the receipt is still held: gloo's is_completed() stays False until wait(), and an
-        # outbox that trusted it kept every pushed weight tensor (a 2 + 2 demo run was OOM-killed at step 7).
-        held = len(remote.out.pending)
+        held = len(getattr(remote.link, "pending", []))  # the gloo bridge frees every send at the receipt
         c = remote.submit([[t, 3]], SAMPLING, [30 + t])
         evaluated = remote.generate([[t, 9]], SAMPLING, [90 + t])
         second, third = remote.collect(), remote.collect()
@@ -123,7 +187,7 @@ def test_requests_sent_ahead_keep_their_weights_and_answers_keep_their_order():
         return ([g[0].version for x in (first, second, third) for g in x.groups], evaluated[0][0].version,
                 [g[0].text for x in (first, second, third) for g in x.groups], receipt.received, held)
 
-    results, engine, why = _bridge_job(body)
+    results, engine, why, _ = _bridge_job(transport, body)
     assert why == "done"
     for t in (0, 1):
         versions, eval_version, texts, received, held = results[t]
@@ -134,15 +198,67 @@ def test_requests_sent_ahead_keep_their_weights_and_answers_keep_their_order():
     assert engine.pushed == [(1, [("w", 6.0), ("v", 2.0)])]  # once, with the leader's tensors
 
 
-def test_a_generator_stops_failed_when_a_trainer_failed():
-    def body(remote, t):
+@TRANSPORTS
+def test_weights_stream_into_the_engine_as_the_leader_gathers_them(transport):
+    """The generator loads a tensor while the leader is still gathering later ones: it never holds the whole model."""
+
+    def body(remote, t, events):
+        def gathered():
+            for i in range(6):
+                events.append(f"gathered w{i}")
+                yield f"w{i}", torch.full((4,), float(i))
+
+        return remote.push_weights(gathered(), 1).received
+
+    results, engine, _, events = _bridge_job(transport, body, trainers=1)
+    assert results[0] == [f"w{i}" for i in range(6)]
+    assert events.index("loaded w0") < events.index("gathered w3"), events
+
+
+@TRANSPORTS
+def test_a_generator_stops_failed_when_a_trainer_failed(transport):
+    def body(remote, t, events):
         remote.generate([[t]], SAMPLING, [t])
         if t == 1:
             remote.close("failed")
         return None
 
-    _, _, why = _bridge_job(body)
+    _, _, why, _ = _bridge_job(transport, body)
     assert why == "failed"
+
+
+# --- the rollout queue: one for both placements -----------------------------------------------------------------
+
+def _queue_run(engine, staleness: int) -> tuple[list, dict, list]:
+    """Steps 1-3 through a RolloutQueue around `engine`, a checkpoint's view after step 1, and what was requested."""
+    overrides = [*SPLIT, f"rollout.max_staleness={staleness}"] if staleness else []
+    cfg = load_config(ROOT / "configs" / "tiny_cpu.yaml", ["trainer.total_steps=3", *overrides])
+    queue_ = RolloutQueue(engine, Sampler(16, seed=0), [[i] for i in range(16)], SAMPLING, cfg, 0, 1, {})
+    taken, ahead, requested = [], {}, []
+    for step in (1, 2, 3):
+        requested.append(queue_.requested(step))
+        taken.append(queue_.take(step))
+        if step == 1:
+            ahead = queue_.ahead(1)
+    queue_.close("done")
+    return taken, ahead, requested
+
+
+def test_the_rollout_queue_serves_colocated_and_split_alike():
+    """Synchronous, the same prompts, seeds and rollouts come from the rank's own engine and from a generator; one step
+    stale, step n+1 is requested with step n and sampled with the weights before it, and a checkpoint of step 1 holds
+    step 2's request with its rollouts."""
+    local, _, _ = _queue_run(StampingEngine([]), 0)
+    results, _, _, _ = _bridge_job(in_process, lambda remote, t, events: _queue_run(remote, 0), trainers=1)
+    remote = results[0][0]
+    assert [(r.problems, r.seeds, r.groups) for r in local] == [(r.problems, r.seeds, r.groups) for r in remote]
+    assert len({tuple(r.seeds) for r in local}) == 3 and all(r.generator_s >= 0 for r in remote)
+
+    results, _, _, _ = _bridge_job(in_process, lambda remote, t, events: _queue_run(remote, 1), trainers=1)
+    taken, ahead, requested = results[0]
+    assert requested == [[], [2], [3]]
+    assert list(ahead) == [2] and ahead[2] is taken[1] and ahead[2].groups is not None
+    assert [r.problems for r in taken] == [r.problems for r in local]  # drawn in the same order
 
 
 # --- the whole job -----------------------------------------------------------------------------------------------

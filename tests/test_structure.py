@@ -85,7 +85,7 @@ def test_find_cycle_finds_a_lazy_import_loop(tmp_path):
 
 def test_no_import_cycle_in_gapo():
     graph = import_graph(REPO / "gapo")
-    assert LOOP in graph and "gapo.study.evaluate" in graph and "gapo.evaluation" in graph
+    assert LOOP in graph and "gapo.study.eval" in graph and "gapo.evaluation" in graph
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 
@@ -115,6 +115,19 @@ def test_nothing_below_the_trainer_imports_it():
     assert {m: d for m, d in offenders.items() if d} == {}
 
 
+def test_process_groups_and_engines_sit_below_the_trainer():
+    """gapo.distributed and gapo.rollout are what the trainer, gapo-eval and the benches stand on: they import nothing
+    above them, and distributed nothing of the engines (init_distributed returns the placement; the split protocol
+    and its transport build on it). Lazy imports count."""
+    graph = import_graph(REPO / "gapo")
+    above = ("gapo.trainer", "gapo.study", "gapo.cli", "gapo.launch", "gapo.rehearse")
+    low = [m for m in graph if m == "gapo.distributed" or m.startswith("gapo.rollout")]
+    assert {"gapo.distributed", "gapo.rollout.split", "gapo.rollout.transport"} <= set(low)
+    offenders = {m: sorted(d for d in graph[m] if d.startswith(above)) for m in low}
+    assert {m: d for m, d in offenders.items() if d} == {}
+    assert sorted(d for d in graph["gapo.distributed"] if d.startswith("gapo.rollout")) == []
+
+
 def test_the_training_system_does_not_stand_on_the_study_wing():
     """The trainer, the rollout engines and the rewarders are siblings of gapo.study, not its tenants: what validation
     and gapo-eval share lives in gapo.evaluation (below both), IFEval's scoring in gapo.reward. Lazy imports count."""
@@ -123,7 +136,7 @@ def test_the_training_system_does_not_stand_on_the_study_wing():
     offenders = {m: sorted(d for d in deps if d.startswith("gapo.study")) for m, deps in graph.items()
                  if m.startswith(below)}
     assert {m: d for m, d in offenders.items() if d} == {}
-    assert "gapo.study.evaluate" not in graph[LOOP] and "gapo.evaluation" in graph[LOOP]  # the guard sees the loop
+    assert "gapo.study.eval" not in graph[LOOP] and "gapo.evaluation" in graph[LOOP]  # the guard sees the loop
 
 
 def test_no_module_imports_anothers_private_names():
@@ -166,7 +179,7 @@ def test_engines_satisfy_the_engine_protocol(module, cls):
 
     engine = getattr(importlib.import_module(module), cls)
     wanted = [name for name, f in vars(Engine).items() if inspect.isfunction(f) and not name.startswith("_")]
-    assert wanted == ["generate", "push_weights", "sleep"]
+    assert wanted == ["generate", "push_weights"]
     for name in wanted:
         assert list(inspect.signature(getattr(engine, name)).parameters) == \
             list(inspect.signature(getattr(Engine, name)).parameters), f"{cls}.{name}"
@@ -183,3 +196,28 @@ def test_an_unmarked_test_cannot_start_the_real_stack():
         subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "x.py"])
     r = subprocess.run([sys.executable, "-m", "gapo.cli", "--config", "tiny_cpu", "--help"], capture_output=True)
     assert r.returncode == 0
+
+
+def test_each_study_command_lives_in_the_module_named_for_it():
+    """gapo-X is gapo/study/X.py: the command lines are found by name, and gapo/evaluation.py (what validation and
+    gapo-eval share) is not mistaken for gapo-eval's command line (gapo/study/eval.py)."""
+    import tomllib
+
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    for command, target in scripts.items():
+        if target.startswith("gapo.study."):
+            assert target == f"gapo.study.{command.removeprefix('gapo-')}:main", (command, target)
+    assert {"gapo-eval", "gapo-compare", "gapo-plot", "gapo-sweep"} <= set(scripts)
+
+
+def test_the_readme_architecture_names_every_module_and_only_those():
+    """README's Architecture block is the map a newcomer reads: each module of the package is on it (by path, or by
+    file name under its folder's line), and each file it names exists."""
+    import re
+
+    block = (REPO / "README.md").read_text().split("\n## Architecture\n", 1)[1].split("```")[1]
+    files = [p for p in (REPO / "gapo").rglob("*.py") if p.name != "__init__.py"]
+    missing = [str(p.relative_to(REPO)) for p in files if not re.search(rf"(?<![\w.]){re.escape(p.name)}\b", block)]
+    assert not missing, f"README's Architecture does not name {missing}"
+    gone = set(re.findall(r"(?<![\w.])(\w+\.py)\b", block)) - {p.name for p in files}
+    assert not gone, f"README's Architecture names files that do not exist: {sorted(gone)}"

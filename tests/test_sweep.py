@@ -3,6 +3,7 @@ checkpoints, the evaluation of a run's checkpoints, and the table built from it.
 table) runs end to end on the tiny manifest, and the intervention manifest rehearses parent -> kept checkpoint ->
 branch."""
 
+import dataclasses
 import json
 import math
 import os
@@ -15,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from gapo.config import ConfigError, load_config
-from gapo.study.sweep import EXPERIMENTS_DIR, jobs, load_manifest, slurm
+from gapo.study import slurm
+from gapo.study.manifest import EXPERIMENTS_DIR, graph, jobs, load_manifest
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -92,7 +94,7 @@ def test_readme_and_manifest_commands_never_share_an_output_directory():
 def test_a_branch_is_evaluated_after_its_branch_point_and_reads_its_parents_before(tmp_path):
     """The intervention's branch starts at GSPO's step 600 and saves no step 600 of its own: its evaluation asks only
     for its later checkpoints, and the table reads step 600 (the same weights) from the parent's evaluation."""
-    from gapo.study.sweep import eval_commands
+    from gapo.study.manifest import eval_commands
     from gapo.study.tables import results
 
     m = load_manifest("fig7_intervention")
@@ -157,7 +159,7 @@ def test_fig6_is_drawn_against_k_from_the_evaluations(tmp_path):
 
 def test_the_base_row_is_one_evaluation_of_the_configs_model():
     """Tables 1 and 2's Base column: the config's model before training, once (no seeds), under the protocol."""
-    from gapo.study.sweep import base_results, eval_commands
+    from gapo.study.manifest import base_results, eval_commands
 
     m = load_manifest("table1_r1")
     js = jobs(m)
@@ -179,7 +181,7 @@ def test_an_unnamed_output_directory_comes_from_the_config_the_method_and_the_se
 
 def test_slurm_scripts_parse_and_branches_wait_for_their_parents(tmp_path):
     m = load_manifest("fig7_intervention")
-    written = slurm(m, jobs(m), tmp_path)
+    written = slurm.render(m, graph(m, jobs(m)), tmp_path, Path.cwd())
     assert [p.name for p in written] == ["fig7_intervention.runs.sbatch", "fig7_intervention.branches.sbatch",
                                          "fig7_intervention.eval.sbatch", "submit.sh"]
     for p in written:
@@ -237,9 +239,90 @@ def test_a_signal_lead_shorter_than_the_preemption_deadline_is_refused(tmp_path)
                                                                          "cpus_per_task: 2, signal_lead_s: 200}"))
     with pytest.raises(ConfigError, match=r"slurm.signal_lead_s=200 must exceed run gapo's "
                                           r"trainer.preempt_deadline_s=240"):
-        from gapo.study.sweep import check
+        from gapo.study.manifest import check
         m = load_manifest(f)
         check(m, jobs(m))
+
+
+# tiny_cluster's graph: two runs and a branch of the second, each evaluated after its training.
+TINY_CLUSTER_GRAPH = [("gapo seed 0", "-"), ("gspo seed 0", "-"), ("gapo_from_gspo seed 0", "gspo seed 0"),
+                      ("evaluation of gapo seed 0", "gapo seed 0"), ("evaluation of gspo seed 0", "gspo seed 0"),
+                      ("evaluation of gapo_from_gspo seed 0", "gapo_from_gspo seed 0")]
+
+
+def _shell_backend(m, tasks, out_dir: Path, workdir: Path) -> list[Path]:
+    """A second scheduler, for the tests alone: the graph's edges as `task <- what it waits for` lines, and one bash
+    script that runs every task after the tasks it waits for."""
+    out_dir = workdir / out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    edges = out_dir / "graph.txt"
+    edges.write_text("".join(f"{t.name} <- {', '.join(t.depends_on) or '-'}\n" for t in tasks))
+    lines, done, pending = ["#!/bin/bash", "set -euo pipefail", f"cd {shlex.quote(str(workdir))}"], set(), list(tasks)
+    while pending:
+        t = next(t for t in pending if set(t.depends_on) <= done)
+        lines += [f"echo {shlex.quote(t.name)}", shlex.join(t.argv)]
+        done.add(t.name)
+        pending.remove(t)
+    script = out_dir / "run.sh"
+    script.write_text("\n".join(lines) + "\n")
+    return [edges, script]
+
+
+def test_a_second_scheduler_is_one_render_function_and_one_row(tmp_path, monkeypatch, capsys):
+    """The graph carries all a scheduler needs: a test-only backend in gapo-sweep's table gets its own flag
+    (--shell [DIR]) and renders tiny_cluster's tasks, dependencies and commands, with no change to the manifest
+    code; with --eval, the evaluations alone, after nothing."""
+    from gapo.study import sweep
+
+    monkeypatch.setitem(sweep.BACKENDS, "shell", sweep.Backend(_shell_backend, "a bash script"))
+    monkeypatch.chdir(tmp_path)
+    assert sweep.main(["tiny_cluster", "--shell"]) == 0
+    assert "submit with: bash runs/tiny_cluster/shell/run.sh" in capsys.readouterr().out
+    d = tmp_path / "runs" / "tiny_cluster" / "shell"
+    assert [tuple(line.split(" <- ")) for line in (d / "graph.txt").read_text().splitlines()] == TINY_CLUSTER_GRAPH
+    script = (d / "run.sh").read_text()
+    assert subprocess.run(["bash", "-n", str(d / "run.sh")]).returncode == 0
+    m = load_manifest("tiny_cluster")
+    trains = [shlex.join(j.command(m.nproc)) + "\n" for j in jobs(m)]  # as --print writes them
+    assert all(cmd in script for cmd in trains) and script.index(trains[1]) < script.index(trains[2])
+    assert script.count("gapo-eval --run runs/tiny_cluster/") == 3
+    assert sweep.main(["tiny_cluster", "--eval", "--shell", "elsewhere"]) == 0
+    assert (tmp_path / "elsewhere" / "graph.txt").read_text().splitlines() == [
+        f"{name} <- -" for name, _ in TINY_CLUSTER_GRAPH[3:]]
+    with pytest.raises(SystemExit):  # one scheduler at a time
+        sweep.main(["tiny_cluster", "--shell", "--slurm"])
+
+
+def test_slurm_renders_the_graph_it_is_given(tmp_path):
+    """slurm.py reads only the tasks: an evaluation that waits for two runs waits for both tasks; one that waits
+    for a task the graph lacks is refused, naming both."""
+    m = load_manifest("tiny_cluster")
+    tasks = graph(m, jobs(m, tmp_path))
+    assert [(t.name, ", ".join(t.depends_on) or "-") for t in tasks] == TINY_CLUSTER_GRAPH
+    runs = [t for t in tasks if t.kind == "train" and not t.depends_on]
+    both = dataclasses.replace(tasks[-1], depends_on=tuple(t.name for t in runs))
+    written = slurm.render(m, [*runs, both], tmp_path / "slurm", tmp_path)
+    assert [p.name for p in written] == ["tiny_cluster.runs.sbatch", "tiny_cluster.eval.sbatch", "submit.sh"]
+    assert "E0=$(submit --array=0 --dependency=afterok:${RUNS}_0:${RUNS}_1 " in written[-1].read_text()
+    lost = dataclasses.replace(both, depends_on=("nobody seed 0",))
+    with pytest.raises(ConfigError, match="evaluation of gapo_from_gspo seed 0 waits for nobody seed 0"):
+        slurm.render(m, [*runs, lost], tmp_path / "slurm", tmp_path)
+
+
+def test_a_manifests_protocol_reaches_gapo_eval_whole():
+    """The manifest's own protocol extends the configs' (gapo.config.EvalProtocol): each of its settings becomes
+    a gapo-eval flag, and gapo-eval takes exactly those from a config's protocol."""
+    from gapo.config import EvalProtocol
+    from gapo.study.eval import PROTOCOL_KEYS
+    from gapo.study.manifest import Protocol, eval_commands
+
+    m = load_manifest("tiny_cpu")
+    assert isinstance(m.eval.protocol, Protocol)
+    cmd = eval_commands(m, jobs(m))[0]
+    assert set(EvalProtocol.model_fields) == set(PROTOCOL_KEYS)
+    for field in [*EvalProtocol.model_fields, "limit", "name"]:
+        assert f"--{field.replace('_', '-')}" in cmd, field
+    assert cmd[cmd.index("--top-p") + 1] == "1.0"  # not given: the shared default
 
 
 def _fake_slurm(tmp_path: Path) -> Path:
@@ -260,7 +343,7 @@ def _branch_task(tmp_path: Path, task: int, job_id: int, **extra: str):
     stand-ins for srun, torchrun and scontrol on the PATH."""
     m = load_manifest("fig7_intervention")
     js = jobs(m, tmp_path / "runs")
-    _, branches, _, _ = slurm(m, js, tmp_path / "slurm")
+    _, branches, _, _ = slurm.render(m, graph(m, js), tmp_path / "slurm", Path.cwd())
     fake = _fake_slurm(tmp_path)
     env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "SLURM_ARRAY_TASK_ID": str(task),
            "SLURM_NNODES": "1", "SLURM_JOB_NODELIST": "node1", "RECORD": str(tmp_path / "args"),
@@ -319,7 +402,7 @@ def test_bad_manifests_name_the_field(tmp_path):
 
 
 def test_budget_reports_gpus_memory_and_hours():
-    from gapo.study.sweep import budget
+    from gapo.study.budget import budget
 
     text = budget(load_manifest("table1_r1"), jobs(load_manifest("table1_r1")))
     assert "9 runs of 8 GPU(s)" in text and "GPU-hours" in text and "memory plan" in text
@@ -328,7 +411,7 @@ def test_budget_reports_gpus_memory_and_hours():
 def test_budget_counts_the_evaluation_and_the_checkpoints_disk():
     """Table 3 (Qwen): 24 runs x 10 evaluated checkpoints x 2,131 problems x 256 samples, about 3x the training;
     each kept checkpoint ~16 bytes per parameter (weights, fp32 weights and Adam's moments), ~6 TB in all."""
-    from gapo.study.sweep import budget
+    from gapo.study.budget import budget
 
     m = load_manifest("table3_qwen")
     text = budget(m, jobs(m))
@@ -352,6 +435,24 @@ def _fake_results(root: Path, m, values: dict[tuple[str, int], float]) -> None:
         (d / "results.json").write_text(json.dumps({"meta": {}, "metrics": metrics}))
 
 
+def test_a_clip_range_reads_the_same_in_the_table_and_the_figure_legends(tmp_path):
+    """The table's eps_lo / eps_hi cells and a run's legend (gapo-plot, gapo-compare's figures) are one rendering:
+    AlgorithmConfig.clip_range."""
+    from gapo.study.figures import default_label
+    from gapo.study.tables import write
+
+    m = load_manifest("tiny_cpu")
+    _fake_results(tmp_path, m, {(r.name, s): 0.3 for r in m.runs for s in m.seeds})
+    rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in write(m, tmp_path).read_text().splitlines()
+            if line.startswith("| ")}
+    for j in jobs(m, tmp_path):
+        cfg = load_config(j.config, j.args)
+        legend = default_label(tmp_path / "run", cfg.model_dump(mode="json"))
+        lo, hi = rows[j.run.label or j.run.name][1:3]
+        assert legend == f"run ({cfg.algorithm.name} {lo}/{hi})"
+    assert {rows[r.label or r.name][2] for r in m.runs} == {"0.05 adaptive", "3e-3"}
+
+
 def logit_cell(a: float, b: float) -> str:
     """Two seeds' fractions as a table cell, by hand: t(0.975, 1) = 12.706 on the logit scale, mapped back, in %."""
     z = [math.log(p / (1 - p)) for p in (a, b)]
@@ -370,7 +471,7 @@ def test_the_table_is_built_from_the_evaluations_with_cis_and_paired_tests(tmp_p
     # GAPO: the logit-scale centre and t(0.975, 1) interval of (0.30, 0.34) and of pass@4 (0.60, 0.68), mapped back;
     # GSPO has one seed of the two so far.
     cells = f"{logit_cell(0.30, 0.34)} / {logit_cell(0.60, 0.68)}"
-    assert f"| GAPO | 3e-3 | 0.05 (adaptive) | {cells} | {cells} |" in md
+    assert f"| GAPO | 3e-3 | 0.05 adaptive | {cells} | {cells} |" in md
     assert "| GSPO | 3e-3 | 3e-3 | 10.0 (n = 1 of 2) / 20.0 (n = 1 of 2) |" in md
     assert "## Missing" in md and "gspo seed 1, step 2" in md
     _fake_results(tmp_path, m, {("gspo", 1): 0.12})
@@ -490,7 +591,8 @@ def test_every_distinct_run_of_the_paper_manifests_is_launched_once():
 
 
 def test_a_shared_run_must_keep_what_its_user_needs_and_is_counted_by_its_owner(tmp_path):
-    from gapo.study.sweep import budget, check
+    from gapo.study.budget import budget
+    from gapo.study.manifest import check
 
     m = load_manifest("table8_eps_hi_max")
     js = jobs(m)

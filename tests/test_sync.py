@@ -61,6 +61,20 @@ def test_the_mismatch_alarm_sounds_on_a_jump_over_its_running_median_and_floor()
     assert alarm.check(7, 3e-9) is None  # back to normal
 
 
+def test_a_sounding_alarm_stops_every_rank_or_warns_and_off_takes_no_part(one_rank, caplog):
+    def jumped(mode: str) -> sync.MismatchAlarm:
+        alarm = sync.MismatchAlarm(factor=10.0, floor=1e-8, warmup=1, history=[1e-6])
+        alarm.sound(2, 1e-3, mode)
+        return alarm
+
+    with pytest.raises(sync.SyncError, match="step 2: the sampler/trainer log-prob mismatch jumped"):
+        jumped("stop")
+    with caplog.at_level("WARNING", logger="gapo.sync"):
+        assert jumped("warn").history == [1e-6, 1e-3]
+    assert "mismatch jumped to kl_k3 0.001" in caplog.text
+    assert jumped("off").history == [1e-6]  # not even checked
+
+
 class StandIn:
     """An engine and an actor in one, for sync.push without vLLM or DeepSpeed: every push is received whole, and the
     probe's engine log-probs sit `gap` above the trainer's on each of its tokens (the push's probe difference)."""
@@ -86,7 +100,7 @@ class StandIn:
     def pushed_names(self) -> list[str]:
         return list(SENT)
 
-    def engine(self, mb, temperature: float):
+    def deepspeed(self, mb, temperature: float):
         return mb.engine_logp - self.gap, None
 
 

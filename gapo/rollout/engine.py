@@ -12,7 +12,8 @@ from gapo.rollout.types import PushReceipt, Rollout, SamplingConfig
 
 
 class Engine(Protocol):
-    """A rollout engine: VLLMEngine (vllm_engine.py), or HFEngine (hf_engine.py), its slow reference."""
+    """A rollout engine: VLLMEngine (vllm_engine.py), HFEngine (hf_engine.py), its slow reference, or on a split
+    job's trainer RemoteEngine (split.py), its generator's."""
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig,
                  seeds: list[int]) -> list[list[Rollout]]:
@@ -22,11 +23,6 @@ class Engine(Protocol):
     def push_weights(self, weights: Iterable[tuple[str, Tensor]], version: int) -> PushReceipt:
         """Load the trainer's weights (HF names) of trainer step `version`; the next generate() samples from them
         and labels its rollouts with that version. Returns what arrived, for gapo.trainer.sync to check."""
-        ...
-
-    def sleep(self) -> None:
-        """Free the engine's memory while the actor trains (rollout.sleep_between_steps, vLLM only);
-        push_weights() wakes it."""
         ...
 
 

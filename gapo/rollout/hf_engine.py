@@ -70,7 +70,3 @@ class HFEngine:
             received.append(name)
         self.version = version
         return PushReceipt(received, sorted(self.params.keys() - set(received)))
-
-    def sleep(self) -> None:
-        """Sleep mode is vLLM's; the config refuses rollout.sleep_between_steps with this engine."""
-        raise RuntimeError("sleep() needs the vLLM engine (rollout.sleep_between_steps needs rollout.engine=vllm)")

@@ -1,4 +1,4 @@
-"""The vLLM engine, colocated: every training rank owns one in-process engine.
+"""The vLLM engine, in-process: each colocated training rank owns one, and each generator rank of a split job.
 
 Built with `distributed_executor_backend="external_launcher"` after torch.distributed is up, so vLLM
 joins the existing world group and makes a one-rank tensor-parallel group per rank (see PLATFORM notes:

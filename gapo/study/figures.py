@@ -27,7 +27,7 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
 from gapo import rundir
-from gapo.config import AlgorithmConfig, ConfigError, fmt_eps, resolve
+from gapo.config import AlgorithmConfig, ConfigError, resolve
 
 Series = list[tuple[int, float]]
 
@@ -217,9 +217,9 @@ def algorithm_of(cfg: dict) -> AlgorithmConfig | None:
 
 
 def clip_range(cfg: dict) -> str:
-    """'eps_lo/upper' as the paper writes a row's clip: eps_hi of a fixed rule, eps_hi_max of an adaptive one."""
+    """The run's AlgorithmConfig.clip_range as 'lower/upper' ('' when its config holds no algorithm)."""
     a = algorithm_of(cfg)
-    return f"{fmt_eps(a.eps_lo)}/{fmt_eps(a.upper)}" if a else ""
+    return "/".join(a.clip_range) if a else ""
 
 
 def default_label(run_dir: Path, cfg: dict) -> str:

@@ -415,8 +415,8 @@ def rollouts_page(run: Run, steps: list[int] | None = None, per_c: int = 3) -> s
     title = f"Rollouts of {run.label}"
     parts = [f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>{_esc(title)}</title>"
              f"<style>{_PAGE_STYLE}</style></head><body>", f"<h1>{_esc(title)}</h1>",
-             f"<p>{_esc(run.path)} · algorithm {_esc(run.algorithm)} · clip {_esc(clip or '?')} "
-             f"{_esc(run.clip_range)} · IS level {_esc(a.get('is_level') or '?')}</p>",
+             f"<p>{_esc(run.path)} · algorithm {_esc(run.algorithm)} · clip {_esc(run.clip_range or '?')} "
+             f"· IS level {_esc(a.get('is_level') or '?')}</p>",
              "<p>Per update of a rollout (in update order): its sequence IS ratio exp(mean log π/π_old), the bound "
              "that applies to its sign of A (1+ε_hi(c) above for A &gt; 0, 1−ε_lo below for A &lt; 0) and what "
              "the loss did. " + ("Under token IS the decision is per token: the counts say how many of the "
@@ -488,12 +488,11 @@ def _last(run: Run, key: str) -> str:
 
 def write_index(out: Path, runs: list[Run], figures: dict[str, Figure | None], smooth: int,
                 pages: dict[str, str] | None = None, window: Window = ALL_STEPS) -> Path:
-    lines = ["# GAPO run plots", "", "| label | algorithm | clip | clip range | steps | last reward/mean | dir |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["# GAPO run plots", "", "| label | algorithm | clip range | steps | last reward/mean | dir |",
+             "|---|---|---|---|---|---|"]
     for r in runs:
         steps = f"{len(r.steps)} ({r.steps[0]}–{r.steps[-1]})" if r.steps else "0"
-        clip = str(run_algorithm(r.config).get("clip") or "")
-        cells = (r.label, r.algorithm, clip, r.clip_range, steps, _last(r, "reward/mean"), str(r.path))
+        cells = (r.label, r.algorithm, r.clip_range, steps, _last(r, "reward/mean"), str(r.path))
         lines.append("| " + " | ".join(md_cell(c) for c in cells) + " |")
     lines.append("")
     if smooth > 1:

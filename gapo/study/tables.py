@@ -27,10 +27,10 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from gapo import rundir
-from gapo.config import fmt_eps, load_config
-from gapo.study.compare import Estimate, ProportionEstimate, build_figures, ci_half_width, difference_cell
+from gapo.config import load_config
 from gapo.study.figures import load_run, md_cell, run_style
-from gapo.study.sweep import Job, Manifest, base_results, jobs, load_manifest
+from gapo.study.manifest import Job, Manifest, base_results, jobs
+from gapo.study.seeds import Estimate, ProportionEstimate, build_figures, ci_half_width, difference_cell
 
 IN_DOMAIN_MEAN = "mean"  # summary()'s average over the benchmarks other than IFEval
 
@@ -78,10 +78,9 @@ def _cell(e: Estimate | None, seeds: int | None = None) -> str:
     return f"{100 * e.centre:.1f} [{100 * lo:.1f}, {100 * hi:.1f}]{missing}"
 
 
-def clip_range(m: Manifest, js: list[Job], name: str) -> tuple[str, str]:
+def clip_range(js: list[Job], name: str) -> tuple[str, str]:
     j = next(j for j in js if j.run.name == name)
-    a = load_config(j.config, j.args).algorithm
-    return fmt_eps(a.eps_lo), fmt_eps(a.upper) + (" (adaptive)" if a.clip == "adaptive" else "")
+    return load_config(j.config, j.args).algorithm.clip_range
 
 
 def write(m: Manifest, root: str | Path | None, out: Path | None = None) -> Path:
@@ -110,7 +109,7 @@ def write(m: Manifest, root: str | Path | None, out: Path | None = None) -> Path
                             for k in ks) for b in benches]
         lines.append("| " + " | ".join(["Base (before training)", "", "", *cells]) + " |")
     for r, label in zip(m.runs, labels, strict=True):
-        lo, hi = clip_range(m, js, r.name)
+        lo, hi = clip_range(js, r.name)
         cells = [" / ".join(_cell(est[(b, k)][label], len(m.seeds)) for k in ks) for b in benches]
         lines.append("| " + " | ".join([md_cell(label), lo, hi, *cells]) + " |")
         for b in benches:
@@ -285,45 +284,3 @@ def fig_branch(m: Manifest, js: list[Job], found: dict) -> Figure | None:
     fig.legend(*ax_corr.get_legend_handles_labels(), loc="outside lower center", ncol=2, frameon=False)
     fig.suptitle(f"{m.title}: from the step-{at} checkpoint on (paper Fig. 7)\n(mean over seeds ± 95 % CI)")
     return fig
-
-
-def cli(argv: list[str] | None = None) -> int:
-    """gapo-compare, two subcommands: `table MANIFEST` builds a sweep's paper table here; `seeds LABEL=RUN,...`
-    compares run directories' logged metrics, seeds per label (gapo.study.compare). Named, not guessed from the
-    arguments' shape: a run directory or a manifest path may hold an "=" too."""
-    import argparse
-    import sys
-
-    from gapo.errors import ConfigError
-    from gapo.study import band, compare
-
-    p = argparse.ArgumentParser(prog="gapo-compare", description="Seeds aggregated into the paper's tables and "
-                                "figures (table), or several seeds per label compared directly (seeds).")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{table,seeds,band}")
-    table = sub.add_parser("table", help="a manifest's paper table from its sweep's evaluations",
-                           description=__doc__.split("\n\n")[0])
-    table.add_argument("manifest", help="experiments/NAME.yaml, or NAME")
-    table.add_argument("--out", type=Path, help="default: <output_root>/<manifest>/compare")
-    table.add_argument("--output-root", help="where the sweep wrote its runs (default: the manifest's output_root)")
-    seeds = sub.add_parser("seeds", help="labels of several seeds each: mean ± CI, tests paired by seed, figures",
-                           description=compare.__doc__.split("\n\n")[0],
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
-    compare.add_arguments(seeds)
-    bands = sub.add_parser("band", help="where two clip rules decide differently, per c, on logged runs' ratios",
-                           description=band.__doc__.split("\n\n")[0])
-    bands.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories with rollouts.jsonl")
-    bands.add_argument("--rules", nargs=2, required=True, metavar="NAME:EPS_LO[/EPS_HI]",
-                       help="the two rules, e.g. gapo:0.003/0.015 gspo:0.003/0.015 (the upper width is eps_hi_max of "
-                            "an adaptive rule, eps_hi of a fixed one; without it a fixed rule is symmetric)")
-    args = p.parse_args(sys.argv[1:] if argv is None else list(argv))
-    if args.command == "seeds":
-        return compare.run(args)
-    if args.command == "band":
-        return band.main(args)
-    try:
-        path = write(load_manifest(args.manifest), args.output_root, args.out)
-    except ConfigError as err:
-        print(f"gapo-compare: {err}", file=sys.stderr)
-        return 2
-    print(f"gapo-compare: wrote {path}, {path.with_suffix('.csv').name} and the figures")
-    return 0

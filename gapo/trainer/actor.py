@@ -1,4 +1,5 @@
-"""The DeepSpeed actor: the policy as DeepSpeed's module, the clipped update, and full weights for the engine.
+"""The DeepSpeed actor: the policy as DeepSpeed's module, the clipped update, and full weights for the rollout
+engine.
 
 One code path for CPU (gloo) and GPU (NCCL); ZeRO stage 0/2/3 from the config. The log-prob computation
 itself is gapo/trainer/logprobs.py.
@@ -31,7 +32,7 @@ log = logging.getLogger("gapo.actor")
 class Policy(torch.nn.Module):
     """What DeepSpeed wraps: a causal LM whose forward is `response_logprobs`.
 
-    Every forward must go through the DeepSpeed engine: under ZeRO-3 the engine's forward is where the
+    Every forward must go through Actor.deepspeed: under ZeRO-3 its forward is where the
     gradient-accumulation counter advances; calling the model's submodules directly makes each micro-batch
     overwrite the previous one's gradient instead of adding to it.
     """
@@ -90,13 +91,34 @@ def attention_backend():
 def register_attention() -> str:
     """Make whole_head_sdpa known to transformers (idempotent) and return its name, for from_pretrained. Its masks
     are SDPA's: transformers picks the mask builder by the same name, and a name it does not know gets no mask at
-    all (the shared-prompt suffix pass then attended to the wrong keys)."""
+    all (the shared-prompt suffix pass would attend to the wrong keys)."""
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
 
     AttentionInterface.register(ATTENTION, whole_head_sdpa)
     AttentionMaskInterface.register(ATTENTION, sdpa_mask)
     return ATTENTION
+
+
+def load_model(model_dir: str, ds_config: dict, zero_stage: int) -> torch.nn.Module:
+    """The model of `model_dir` in the config's dtype, with gapo's attention; at ZeRO-3 partitioned as it loads.
+
+    from_pretrained runs under zero.Init while an HfDeepSpeedConfig lives, so the config object lives only for
+    this call: every later from_pretrained in the process would be partitioned too. zero.Init also swaps
+    torch.nn.functional.linear for its own, process-wide and for good ("This will persist unless manually
+    reset"); vLLM's unquantised GEMM looks F.linear up at call time, so the swap would reach the rollout engine's logits
+    too. It is restored once the weights are partitioned."""
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+
+    linear = torch.nn.functional.linear
+    hf_ds = HfDeepSpeedConfig(ds_config) if zero_stage == 3 else None
+    try:
+        dtype = torch.bfloat16 if ds_config["bf16"]["enabled"] else torch.float32
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=register_attention())
+    finally:
+        del hf_ds
+        torch.nn.functional.linear = linear
 
 
 def logit_chunks(cfg: Config) -> int:
@@ -137,9 +159,6 @@ class _Schedule(torch.optim.lr_scheduler.LambdaLR):
 class Actor:
     def __init__(self, cfg: Config, model_dir: str, load_universal: bool = False):
         import deepspeed
-        from transformers import AutoModelForCausalLM
-        from transformers.integrations import HfDeepSpeedConfig
-
         t = cfg.trainer
         self.cfg = cfg
         self.world = dist.get_world_size()
@@ -177,17 +196,7 @@ class Actor:
             # Gradients of bf16 weights are summed over micro-batches and ranks in fp32: a step's token-mean
             # loss over ~10^6 tokens at lr 1e-6 is made of terms that a bf16 sum (8 bits of mantissa) drops.
             ds_config.update(data_types={"grad_accum_dtype": "fp32"}, communication_data_type="fp32")
-        # While this object lives, from_pretrained runs under zero.Init: ZeRO-3 partitions weights as they
-        # load. It is dropped right after, or every later from_pretrained in the process would be partitioned.
-        # zero.Init also swaps torch.nn.functional.linear for its own, process-wide and for good ("This will
-        # persist unless manually reset"); vLLM's unquantised GEMM looks F.linear up at call time, so the swap
-        # would reach the engine's logits too. Restored once the weights are partitioned.
-        linear = torch.nn.functional.linear
-        hf_ds = HfDeepSpeedConfig(ds_config) if self.zero_stage == 3 else None
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if bf16 else torch.float32,
-                                                     attn_implementation=register_attention())
-        del hf_ds
-        torch.nn.functional.linear = linear
+        model = load_model(model_dir, ds_config, self.zero_stage)
         if cfg.model.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
@@ -214,9 +223,9 @@ class Actor:
             return 1.0
 
         scheduler = _Schedule(optimizer, lr_factor)
-        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+        self.deepspeed, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=Policy(model, logit_chunks(cfg)), optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
-        # The Hugging Face model inside the engine (its parameter names, save_pretrained); with LoRA its targeted
+        # The Hugging Face model inside self.deepspeed (its parameter names, save_pretrained); with LoRA its targeted
         # linear layers are PEFT's (base_layer + lora_A/lora_B), see pushed_names.
         self.module = model
         if cfg.model.lora is not None:
@@ -224,8 +233,9 @@ class Actor:
             # finds frozen tensors by named_parameters(), which names a tied weight once: the tied head's alias
             # (lm_head.weight, the whole embedding matrix) stayed in, 113 of the demo's 133 MB of module state
             # (deepspeed 0.19.8 runtime/engine.py, module_state_dict). Every name of a frozen tensor goes here.
-            frozen = [n for n, p in self.engine.module.named_parameters(remove_duplicate=False) if not p.requires_grad]
-            deepspeed_state_dict = self.engine.module_state_dict
+            frozen = [n for n, p in self.deepspeed.module.named_parameters(remove_duplicate=False)
+                      if not p.requires_grad]
+            deepspeed_state_dict = self.deepspeed.module_state_dict
 
             def state_dict_without_frozen(*args, exclude_frozen_parameters: bool = False, **kwargs) -> dict:
                 sd = deepspeed_state_dict(*args, exclude_frozen_parameters=exclude_frozen_parameters, **kwargs)
@@ -233,22 +243,18 @@ class Actor:
                     sd.pop(name, None)
                 return sd
 
-            self.engine.module_state_dict = state_dict_without_frozen
+            self.deepspeed.module_state_dict = state_dict_without_frozen
         self._stage0_norm: float | None = None
-        self.device = self.engine.device  # micro-batches go here (cuda:LOCAL_RANK on GPU, cpu on CPU)
-        self.ref_engine = None
+        self.device = self.deepspeed.device  # micro-batches go here (cuda:LOCAL_RANK on GPU, cpu on CPU)
+        self.reference = None
         if cfg.algorithm.kl_coef > 0:
             # A frozen copy of the initial policy for the optional KL penalty, partitioned like the actor.
-            hf_ds = HfDeepSpeedConfig(ds_config) if self.zero_stage == 3 else None
-            ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if bf16 else torch.float32,
-                                                       attn_implementation=ATTENTION)
-            del hf_ds
-            torch.nn.functional.linear = linear
+            ref = load_model(model_dir, ds_config, self.zero_stage)
             # Without an optimizer DeepSpeed allows only stage 3 (partitioned) or 0 (a full copy per rank).
             ref_config = {**ds_config, "zero_optimization": {**ds_config["zero_optimization"],
                                                              "stage": 3 if self.zero_stage == 3 else 0}}
             frozen = Policy(ref.eval().requires_grad_(False), logit_chunks(cfg))
-            self.ref_engine, *_ = deepspeed.initialize(model=frozen, config=ref_config)
+            self.reference, *_ = deepspeed.initialize(model=frozen, config=ref_config)
 
     def backward(self, loss: Tensor) -> bool | None:
         """Our loss is already this micro-batch's exact share of the whole step (step-global normaliser), so
@@ -257,8 +263,8 @@ class Actor:
         At an optimizer-step boundary, returns whether the step was applied: False when the gradient norm was
         not finite (a NaN/inf loss gives one), in which case weights and optimizer state are untouched."""
         with attention_backend():  # gradient checkpointing recomputes the forward here: the same kernel again
-            self.engine.backward(loss * self.world, scale_wrt_gas=False)
-        boundary = self.engine.is_gradient_accumulation_boundary()
+            self.deepspeed.backward(loss * self.world, scale_wrt_gas=False)
+        boundary = self.deepspeed.is_gradient_accumulation_boundary()
         if self.zero_stage == 0 and boundary:
             # Without ZeRO, DeepSpeed clips but does not report the norm: take it here, where the gradients
             # are complete (all-reduced at the boundary's backward) and not yet clipped.
@@ -266,13 +272,13 @@ class Actor:
                 [p.grad for p in self.module.parameters() if p.grad is not None]))
             self._skip = not math.isfinite(self._stage0_norm)
         self.scheduler.skip = self._skip
-        self.engine.step()
+        self.deepspeed.step()
         self._skip = self.scheduler.skip = False
         return math.isfinite(self.grad_norm()) if boundary else None
 
     def grad_norm(self) -> float:
         """The last optimizer step's gradient norm, before clipping (inf or NaN for a skipped step)."""
-        g = self._stage0_norm if self.zero_stage == 0 else self.engine.get_global_grad_norm()
+        g = self._stage0_norm if self.zero_stage == 0 else self.deepspeed.get_global_grad_norm()
         return float(g) if g is not None else float("nan")
 
     def lr(self) -> float:
@@ -311,7 +317,7 @@ class Actor:
         whole. Whole layers matter: vLLM fuses q/k/v and gate/up and only loads a fused layer once all its
         parts have arrived, which must happen while they are still gathered.
 
-        With LoRA the engine gets merged weights, base + scale * B @ A, under the base model's names (see
+        With LoRA the rollout engine gets merged weights, base + scale * B @ A, under the base model's names (see
         merged_weight and README "LoRA"): the same names, versions and probe verify the push as without it.
         """
         import deepspeed
@@ -358,7 +364,7 @@ def with_lora(model: torch.nn.Module, lora) -> torch.nn.Module:
         raise ConfigError(f"model.lora.target_modules names layers that are not linear: {odd[:3]}; LoRA here adapts "
                          "linear layers only")
     if hasattr(model.get_output_embeddings(), "lora_A") and model.config.get_text_config().tie_word_embeddings:
-        # merged, the head would no longer equal the embedding it is tied to, and the engine keeps only one of them
+        # merged, the head would no longer equal the embedding it is tied to, and the rollout engine keeps one
         raise ConfigError("model.lora.target_modules adapts the output head, which this model ties to its input "
                          "embedding: leave it out")
     if model.dtype != torch.float32:
@@ -368,7 +374,7 @@ def with_lora(model: torch.nn.Module, lora) -> torch.nn.Module:
 
 def merged_weight(layer: torch.nn.Module) -> Tensor:
     """A PEFT LoRA linear layer's weight with its adapter folded in: W + scale * B @ A (PEFT's own merge, computed
-    in fp32 and cast to W's dtype). What the engine gets, and in bf16 also what the trainer computes with
+    in fp32 and cast to W's dtype). What the rollout engine gets, and in bf16 also what the trainer computes with
     (compute_with_merged_weights). The layer's parameters must be gathered (ZeRO-3)."""
     w = layer.base_layer.weight
     a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
@@ -384,7 +390,7 @@ def compute_with_merged_weights(model: torch.nn.Module) -> None:
     rounds W + scale * B @ A once), so no merged weight equals PEFT's forward and the sampler would compute another
     policy than the trainer. Both drop an adapter update below about half a bf16 step, each in its own way (measured
     on tiny-qwen2: PEFT keeps no more of a small update than the merge). With this the trainer's policy is the
-    engine's, up to kernels, as in full bf16 fine-tuning, where the bf16 weights also lag the fp32 master copy.
+    rollout engine's, up to kernels, as in full bf16 fine-tuning, where the bf16 weights also lag the fp32 master copy.
     The gradient is LoRA's, taken at the merged weight (the rounding passed straight through); in fp32 the merge is
     exact to ~1e-7 and PEFT's forward is kept.
 

@@ -128,7 +128,7 @@ def save(actor, tokenizer, cfg: Config, state: TrainerState, run_dir: Path, in_f
         if requested("fill") == str(state.step) and rank == 0:
             _fill(root)  # the disk fills up after the room check: the real writers below meet a real ENOSPC
         # With LoRA the frozen base weights are left out (they are model.path's): adapters and optimizer state only.
-        actor.engine.save_checkpoint(str(tmp / "ds"), tag="state", save_latest=False,
+        actor.deepspeed.save_checkpoint(str(tmp / "ds"), tag="state", save_latest=False,
                                      exclude_frozen_parameters=cfg.model.lora is not None)
         torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
         if state.in_flight:
@@ -167,15 +167,15 @@ def save(actor, tokenizer, cfg: Config, state: TrainerState, run_dir: Path, in_f
 
 def _export_state_dict(actor, rank: int) -> dict[str, Tensor]:
     """The policy's full weights under the Hugging Face names, for hf/ (rank 0's; collective under ZeRO-3). With
-    LoRA they are the merged weights the engine gets (Actor.gathered_weights), so gapo-eval and vLLM load hf/ as
+    LoRA they are the merged weights the rollout engine gets (Actor.gathered_weights), so gapo-eval and vLLM load hf/ as
     a plain model."""
     if actor.cfg.model.lora is not None:
         keep = set(actor.pushed_names(unique=True))  # a tied weight once, as without LoRA
         merged = {name: t.detach().cpu().clone() for name, t in actor.gathered_weights() if name in keep}
         return merged if rank == 0 else {}
     # Collective under ZeRO-3 (full tensors on rank 0 only); keys lose the Policy wrapper's "lm." prefix.
-    full = actor.engine._zero3_consolidated_16bit_state_dict() if actor.zero_stage == 3 \
-        else actor.engine.module.state_dict()
+    full = actor.deepspeed._zero3_consolidated_16bit_state_dict() if actor.zero_stage == 3 \
+        else actor.deepspeed.module.state_dict()
     return {k.removeprefix("lm."): v for k, v in (full or {}).items()}
 
 
@@ -417,14 +417,14 @@ def resume_or_branch(cfg: Config, world: int, rank: int) -> Start:
 
 
 def load(actor, ckpt: Path, saved_world: int, run_dir: Path) -> None:
-    """Collective. Restores engine state (model, optimizer, scheduler) and this rank's RNG states. A checkpoint
+    """Collective. Restores the DeepSpeed state (model, optimizer, scheduler) and this rank's RNG states. A checkpoint
     written by another number of ranks is re-cut first (reshard); rank r then takes rank r mod N's RNG states."""
     rank, world = dist.get_rank(), dist.get_world_size()
     lora = actor.cfg.model.lora is not None
     if saved_world == world:
         # A LoRA checkpoint holds the adapters only (save: exclude_frozen_parameters); the frozen base weights
         # are already in place, loaded from model.path, so the module's state is loaded non-strictly.
-        path, _ = actor.engine.load_checkpoint(str(ckpt / "ds"), tag="state", load_optimizer_states=True,
+        path, _ = actor.deepspeed.load_checkpoint(str(ckpt / "ds"), tag="state", load_optimizer_states=True,
                                               load_lr_scheduler_states=True, load_module_strict=not lora)
         if path is None:
             raise ConfigError(f"checkpoint {ckpt}: DeepSpeed could not load {ckpt / 'ds'}")
@@ -443,7 +443,7 @@ def load(actor, ckpt: Path, saved_world: int, run_dir: Path) -> None:
 # Resuming on another number of ranks. A ZeRO checkpoint holds each rank's slice of the flat fp32 weights and
 # Adam moments; DeepSpeed's universal checkpoint (deepspeed.checkpoint.ds_to_universal) re-assembles them one
 # folder per parameter (zero/<name>/{fp32,exp_avg,exp_avg_sq}.pt, zero/optimizer_state.pt with the step and the
-# hyper-parameters, and the model-states files with the LR schedule), from which an engine built with
+# hyper-parameters, and the model-states files with the LR schedule), from which a DeepSpeed engine built with
 # checkpoint.load_universal cuts its own slices. DeepSpeed has no such path at stage 0 (one rank in fp32, see
 # Config.zero_stage), so that side of the conversion is written here: the same folder layout from and into a
 # plain torch AdamW.
@@ -451,8 +451,8 @@ RESHARD = ".reshard"  # in the run directory: the universal form of the checkpoi
 
 
 def reshard(actor, ckpt: Path, saved_world: int, scratch: Path) -> None:
-    """Collective. Loads `ckpt` (written by `saved_world` ranks) into this run's engine: model, Adam moments and
-    step, LR schedule. Rank 0 converts it once into `scratch`; every rank then reads its own slices."""
+    """Collective. Loads `ckpt` (written by `saved_world` ranks) into the run's DeepSpeed engine: model, Adam moments
+    and step, LR schedule. Rank 0 converts it once into `scratch`; every rank then reads its own slices."""
     rank = dist.get_rank()
     saved_stage = read(ckpt)[1].zero_stage(saved_world)
     universal = scratch / ckpt.name
@@ -463,7 +463,8 @@ def reshard(actor, ckpt: Path, saved_world: int, scratch: Path) -> None:
         shutil.rmtree(universal, ignore_errors=True)
         try:
             if saved_stage == 0:
-                _stage0_to_universal(ckpt / "ds" / "state", tmp, [n for n, _ in actor.engine.module.named_parameters()])
+                names = [n for n, _ in actor.deepspeed.module.named_parameters()]
+                _stage0_to_universal(ckpt / "ds" / "state", tmp, names)
             else:
                 from argparse import Namespace
 
@@ -478,14 +479,14 @@ def reshard(actor, ckpt: Path, saved_world: int, scratch: Path) -> None:
             raise ConfigError(f"checkpoint {ckpt}: written by {saved_world} ranks (ZeRO stage {saved_stage}), it "
                               f"could not be converted for {dist.get_world_size()} ranks "
                               f"({type(err).__name__}: {err}); resume it with --nproc {saved_world}") from None
-        _universal_for(tmp, actor.zero_stage, dict(actor.engine.module.named_parameters()))
+        _universal_for(tmp, actor.zero_stage, dict(actor.deepspeed.module.named_parameters()))
         os.replace(tmp, universal)
 
     _agreed(convert, rank)
     if actor.zero_stage == 0:
         _universal_to_stage0(actor, universal)
     else:
-        path, _ = actor.engine.load_checkpoint(str(scratch), tag=universal.name, load_optimizer_states=True,
+        path, _ = actor.deepspeed.load_checkpoint(str(scratch), tag=universal.name, load_optimizer_states=True,
                                               load_lr_scheduler_states=True)
         if path is None:
             raise ConfigError(f"checkpoint {ckpt}: DeepSpeed could not load its universal form {universal}")
@@ -548,12 +549,12 @@ def _universal_tensor(path: Path, like: Tensor) -> Tensor:
 
 
 def _universal_to_stage0(actor, universal: Path) -> None:
-    """The universal layout into a stage-0 engine: weights, the torch AdamW's moments, step and
+    """The universal layout into a stage-0 DeepSpeed engine: weights, the torch AdamW's moments, step and
     hyper-parameters, the LR schedule and DeepSpeed's step counters."""
     opt_state = torch.load(universal / "zero" / "optimizer_state.pt", weights_only=False)["optimizer_state_dict"]
     step = opt_state["state"][0]["step"]
-    optimizer = actor.engine.optimizer
-    for name, param in actor.engine.module.named_parameters():
+    optimizer = actor.deepspeed.optimizer
+    for name, param in actor.deepspeed.module.named_parameters():
         fp32, exp_avg, exp_avg_sq = (_universal_tensor(universal / "zero" / name / f"{key}.pt", param)
                                      for key in ["fp32", "exp_avg", "exp_avg_sq"])
         with torch.no_grad():
@@ -566,7 +567,7 @@ def _universal_to_stage0(actor, universal: Path) -> None:
     states = torch.load(universal / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
     actor.scheduler.load_state_dict(states["lr_scheduler"])
     for key in ["global_steps", "global_samples", "skipped_steps"]:
-        setattr(actor.engine, key, states[key])
+        setattr(actor.deepspeed, key, states[key])
 
 
 def rng_state() -> dict:

@@ -11,11 +11,11 @@ import math
 from dataclasses import dataclass, fields, replace
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 # The chunking's constants live in the memory plan, which budgets them without importing torch.
+from gapo.distributed import agree
 from gapo.memory import LOGIT_CHUNK
 from gapo.memory import LOGPROB_ROWS as ROWS
 from gapo.rollout.types import Rollout
@@ -172,17 +172,13 @@ def pack_step(rollouts: list[Rollout], adv: Tensor, c: Tensor, k: Tensor, keep: 
     Each micro-batch carries what the loss needs of its rollouts, and is moved once to `device`."""
     lengths = [len(x.prompt_ids) + len(x.response_ids) for x in rollouts]
     starts = range(0, len(rollouts), mini)
-    counts = torch.tensor([len(micro_batch_rows(lengths[m0:m0 + mini], micro, max_tokens)) for m0 in starts],
-                          device=device)  # NCCL reduces device tensors only
-    dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+    counts = agree([len(micro_batch_rows(lengths[m0:m0 + mini], micro, max_tokens)) for m0 in starts], device)
     bins = [[torch.tensor(b) + m0 for b in micro_batch_rows(lengths[m0:m0 + mini], micro, max_tokens, n)]
-            for m0, n in zip(starts, counts.tolist(), strict=True)]  # rollout indices per micro-batch
+            for m0, n in zip(starts, counts, strict=True)]  # rollout indices per micro-batch
     # Sharing runs the decoder twice (prompts, then suffixes): a different sequence of module calls. Under ZeRO-3
     # every rank must make the same calls, so the i-th micro-batch shares only if it does so on every rank.
-    share = torch.tensor([share_prompts and can_share([rollouts[j].prompt_ids for j in b.tolist()])
-                          for mini_bins in bins for b in mini_bins], dtype=torch.int32, device=device)
-    dist.all_reduce(share, op=dist.ReduceOp.MIN)
-    agreed = iter(share.tolist())
+    agreed = iter(agree([int(share_prompts and can_share([rollouts[j].prompt_ids for j in b.tolist()]))
+                         for mini_bins in bins for b in mini_bins], device, op="min"))
     return [[MicroBatch.pack([rollouts[j].prompt_ids for j in b], [rollouts[j].response_ids for j in b], pad_id,
                              share_prompts=bool(next(agreed)), keep=keep[b], index=b, adv=adv[b], c=c[b], k=k[b],
                              engine_logp=[rollouts[j].logprobs for j in b]).to(device)
@@ -285,10 +281,7 @@ def response_logprobs(base: torch.nn.Module, head: torch.nn.Module, mb: MicroBat
             raise ValueError(f"{hr.shape[0]} response tokens need {needed} logit chunks, more than the run's "
                              f"{n_chunks} (micro-batch rows x rollout.max_new_tokens)")
     else:
-        agreed = torch.tensor(needed, device=hr.device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-        n_chunks = int(agreed)
+        [n_chunks] = agree([needed], hr.device)
     logps, ents = [], []
     for hc, tc in zip(torch.tensor_split(hr, int(n_chunks)), torch.tensor_split(targets, int(n_chunks)),
                       strict=True):

@@ -3,9 +3,10 @@
     sample prompts -> generate k rollouts each -> score -> group advantages -> old log-probs
     -> clipped updates (mini-batches x epochs) -> push weights into the engine -> metrics
 
-Every rank runs this same loop on its own shard of the step's prompts (groups never straddle ranks) with
-its own colocated engine; DeepSpeed averages gradients, and per-rollout statistics are gathered so that
-every metric is computed exactly over the whole step.
+Every training rank runs this same loop on its own shard of the step's prompts (groups never straddle ranks);
+its rollouts come through a RolloutQueue (gapo/trainer/rollouts.py), from its own engine or from a split job's
+generator rank. DeepSpeed averages gradients, and per-rollout statistics are gathered so that every metric is
+computed exactly over the whole step.
 """
 
 from __future__ import annotations
@@ -27,19 +28,19 @@ import torch.distributed as dist
 from torch import Tensor
 from tqdm import tqdm
 
-from gapo import console, distributed, rundir
+from gapo import console, rundir
 from gapo.config import Config, ConfigError
-from gapo.data import Problem, Sampler, stop_token_ids, tokenize_problems
-from gapo.distributed import gather, init_distributed
-from gapo.evaluation import Bench, evaluate, load_benchmark, summary, write_results
+from gapo.data import Problem, Sampler, stop_token_ids
+from gapo.distributed import Placement, gather, init_distributed
+from gapo.evaluation import Bench, context_length, evaluate, load_benchmark, summary, write_results
 from gapo.faults import requested
 from gapo.memory import plan_text
 from gapo.models import check_context_budget, resolve_model
 from gapo.reward.registry import check_rewards, score_groups, training_set
-from gapo.reward.types import status_counts
 from gapo.rollout import split
 from gapo.rollout.engine import Engine, build_engine
-from gapo.rollout.types import Rollout, SamplingConfig
+from gapo.rollout.transport import GlooBridge, PeerGone
+from gapo.rollout.types import SamplingConfig
 from gapo.tracking import Tracker
 from gapo.trainer import checkpoint, preempt, sync
 from gapo.trainer.actor import Actor
@@ -54,7 +55,8 @@ from gapo.trainer.losses import (
     rollout_weights,
 )
 from gapo.trainer.preempt import Preempted
-from gapo.trainer.step_metrics import MismatchStats, RankStep, mismatch_stats, step_metrics
+from gapo.trainer.rollouts import Request, RolloutQueue, load_in_flight
+from gapo.trainer.step_metrics import OldLogprobs, RankStep, Updates, mismatch_stats, step_metrics
 
 log = logging.getLogger("gapo.train")
 
@@ -73,11 +75,6 @@ def process_age() -> float:
     return time.time() - (boot + ticks / os.sysconf("SC_CLK_TCK"))
 
 
-def request_seed(seed: int, step: int, prompt_index: int) -> int:
-    """One sampling seed per (run seed, step, prompt of the step): unique across ranks, repeatable on resume."""
-    return int(np.random.SeedSequence([seed, step, prompt_index]).generate_state(1)[0] & 0x7FFFFFFF)
-
-
 @dataclass
 class Setup:
     """What the step loop works with, built once before its first step (or restored from a checkpoint)."""
@@ -91,28 +88,14 @@ class Setup:
     problems: list[Problem]
     prompt_ids: list[list[int]]
     sampler: Sampler
-    benches: list[Bench]  # validation: the problems that fit data.max_prompt_tokens
+    benches: list[Bench]  # validation's benchmarks, each scored in full (as gapo-eval scores it)
     engine: Engine
     actor: Actor
     probe: sync.Probe  # what a verified push samples and scores (rollout.verify_push)
     tracker: Tracker | None  # rank 0 only
     wandb_id: str | None
     loaded: Path | None  # the checkpoint it went on from (its run's step-0 validation is logged already)
-    in_flight: dict[int, Request]  # rollouts the checkpoint holds of steps requested ahead of it (split placement)
-
-
-@dataclass
-class Request:
-    """One step's prompts on this rank, drawn when its rollouts are requested: at the step itself, or up to
-    rollout.max_staleness steps ahead (split placement). `groups` is filled when the rollouts are collected; a
-    checkpoint keeps the requests ahead of it with their rollouts, so that a resumed run trains on the very same."""
-
-    problems: list[int]  # indices into Setup.problems, one per group
-    seeds: list[int]
-    groups: list[list[Rollout]] | None = None
-    wait_s: float = 0.0  # the trainer's time blocked on them (split)
-    generator_s: float = math.nan  # the generator's time sampling them, and idle before it (split)
-    generator_idle_s: float = math.nan
+    rollouts: RolloutQueue  # this rank's requests by step, with those the checkpoint held of the steps after it
 
 
 def engine_of(cfg: Config, model_dir: str, max_model_len: int, seed: int) -> Engine:
@@ -122,9 +105,9 @@ def engine_of(cfg: Config, model_dir: str, max_model_len: int, seed: int) -> Eng
                         sleep_mode=r.sleep_between_steps, compile=r.compile)
 
 
-def setup(cfg: Config, rank: int, world: int) -> Setup:
-    """Resume or branch, memory plan, model, data, engine, actor and tracker, in this order (the engine reseeds
-    the global RNGs when it is built, so the order is part of a run's determinism)."""
+def setup(cfg: Config, rank: int, world: int, remote: split.RemoteEngine | None) -> Setup:
+    """Resume or branch, memory plan, model, data, engine (`remote`: a split job's generator), actor and tracker, in
+    this order (the engine reseeds the global RNGs when it is built, so the order is part of a run's determinism)."""
     # Resume / branch (may name another run directory): decided before anything is built.
     start = checkpoint.resume_or_branch(cfg, world, rank)
     run_dir = start.run_dir
@@ -156,19 +139,14 @@ def setup(cfg: Config, rank: int, world: int) -> Setup:
     # Model and data. Every rank resolves: a file lock in gapo.models lets one process per filesystem build or
     # download while the others wait on it, with no barrier that a long download could time out.
     model_dir = str(resolve_model(cfg.model.path))
-    check_context_budget(cfg, cfg.model.path)
+    positions = check_context_budget(cfg, cfg.model.path)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     problems, prompt_ids, dropped = training_set(d, tokenizer)
     sampler = Sampler(len(problems), seed=t.seed)
-    train_questions = {p.question for p in problems}  # the held-out arithmetic set avoids all of them
-    benches = []
-    for spec in ev.benchmarks:
-        b = load_benchmark(spec, ev.limit, exclude=train_questions, levels=d.arithmetic_levels)
-        kept, _, too_long = tokenize_problems(tokenizer, b.problems, ev.instruction, d.max_prompt_tokens, b.name)
-        benches.append(Bench(b.name, b.kind, kept, b.dropped + too_long))
-        dropped += b.dropped + too_long
+    benches = [load_benchmark(spec, ev.limit, d) for spec in ev.benchmarks]
+    dropped += [x for b in benches for x in b.dropped]
     if rank == 0 and dropped:
         run_dir.mkdir(parents=True, exist_ok=True)
         with open(run_dir / rundir.DROPPED, "w") as f:
@@ -177,10 +155,11 @@ def setup(cfg: Config, rank: int, world: int) -> Setup:
 
     # Engine (after init_distributed: vLLM joins the world group), then the actor. Split: the generator ranks build
     # theirs (serve_rollouts) once this rank's leader has told them the run's directory, while the actor loads here.
-    max_model_len = d.max_prompt_tokens + max(r.max_new_tokens, ev.max_new_tokens)
-    if distributed.PLACEMENT is not None:
-        engine = split.RemoteEngine(distributed.PLACEMENT, rank)
-        engine.hello(model_dir, str(run_dir), max_model_len)
+    max_model_len = max(d.max_prompt_tokens + max(r.max_new_tokens, ev.max_new_tokens),
+                        context_length(benches, tokenizer, ev.instruction, ev.max_new_tokens, positions))
+    if remote is not None:
+        engine = remote
+        remote.hello(model_dir, str(run_dir), max_model_len)
     else:
         engine = engine_of(cfg, model_dir, max_model_len, seed=t.seed + rank)
     resharding = start.state is not None and start.state.world_size != world
@@ -196,13 +175,7 @@ def setup(cfg: Config, rank: int, world: int) -> Setup:
         checkpoint.load(actor, start.ckpt, start.state.world_size, run_dir)
         sampler.load_state_dict(start.state.sampler)
         if start.state.in_flight:
-            in_flight = torch.load(start.ckpt / checkpoint.in_flight_name(rank), weights_only=False)
-            lags = {n: {n - 1 - x.version for g in req.groups for x in g} for n, req in in_flight.items()}
-            if any(x.version != max(n - 1 - r.max_staleness, 0) for n, req in in_flight.items()
-                   for g in req.groups for x in g):
-                raise ConfigError(f"{start.ckpt} holds rollouts sampled ahead with rollout.max_staleness="
-                                  f"{max(max(v) for v in lags.values())}: resume it with that value, not "
-                                  f"{r.max_staleness}")
+            in_flight = load_in_flight(start.ckpt, rank, r.max_staleness)
         sync.push(engine, actor, start.state.step, probe if r.verify_push != "off" else None)
 
     tracker = None
@@ -213,136 +186,94 @@ def setup(cfg: Config, rank: int, world: int) -> Setup:
         # A branch is a new wandb run whose config links its parent.
         tracker = Tracker(cfg, run_dir, wandb_id=start.state.wandb_id if going_on else None, parent=start.parent)
     wandb_id = gather(tracker.wandb_id if tracker else None)[0]
+    sampling = SamplingConfig(n=r.group_size, temperature=r.temperature, top_p=r.top_p,
+                              max_new_tokens=r.max_new_tokens, stop_token_ids=stop_token_ids(tokenizer))
+    rollouts = RolloutQueue(engine, sampler, prompt_ids, sampling, cfg, rank, world, in_flight)
     return Setup(cfg=cfg, run_dir=run_dir, first_step=start.state.step + 1 if start.state else 1, parent=start.parent,
                  tokenizer=tokenizer, pad_id=pad_id, problems=problems, prompt_ids=prompt_ids, sampler=sampler,
                  benches=benches, engine=engine, actor=actor, probe=probe, tracker=tracker, wandb_id=wandb_id,
-                 loaded=start.ckpt, in_flight=in_flight)
+                 loaded=start.ckpt, rollouts=rollouts)
 
 
 def train(cfg: Config) -> Path | None:
     preempt.install()  # SIGTERM / SIGUSR1: stop at the next safe point, save, exit PREEMPTED
-    rank, world = init_distributed(cfg.trainer.collective_timeout_min, cfg.rollout.generator_ranks)
-    if distributed.PLACEMENT is not None and distributed.PLACEMENT.is_generator:
-        serve_rollouts(cfg, distributed.PLACEMENT)
+    placement = init_distributed(cfg.trainer.collective_timeout_min, cfg.rollout.generator_ranks)
+    link = GlooBridge(placement) if placement.generators else None
+    if placement.is_generator:
+        serve_rollouts(cfg, placement, link)
         return None
+    rank, world = placement.rank, placement.world
     cfg.shape(world)  # a batch that does not split on these ranks stops here, before anything loads
     random.seed(cfg.trainer.seed + rank)
     np.random.seed(cfg.trainer.seed + rank)
     torch.manual_seed(cfg.trainer.seed + rank)
-    s = setup(cfg, rank, world)
+    s = setup(cfg, rank, world, split.RemoteEngine(placement, link) if link else None)
     try:
         run_dir = steps(s, rank, world)
     except BaseException as err:  # a split job's generators stop with it, and say why
-        if isinstance(s.engine, split.RemoteEngine):
-            try:
-                s.engine.close("preempted" if isinstance(err, Preempted) else "failed")
-            except split.PeerGone as gone:  # the generator is gone already: the original error is the news
-                log.warning("could not tell the generator to stop: %s", gone)
+        try:
+            s.rollouts.close("preempted" if isinstance(err, Preempted) else "failed")
+        except PeerGone as gone:  # the generator is gone already: the original error is the news
+            log.warning("could not tell the generator to stop: %s", gone)
         raise
     return run_dir
 
 
-def serve_rollouts(cfg: Config, placement: split.Placement) -> None:
+def serve_rollouts(cfg: Config, placement: Placement, link: GlooBridge) -> None:
     """A generator rank (split placement): sample for the trainers until they stop."""
-    why = split.serve(placement, lambda model_dir, max_model_len: engine_of(
+    why = split.serve(placement, link, lambda model_dir, max_model_len: engine_of(
         cfg, model_dir, max_model_len, seed=cfg.trainer.seed + placement.global_rank))
     if why == "preempted":
         raise Preempted(f"generator rank {placement.global_rank}: the trainers were preempted")
     if why == "failed":
-        raise split.PeerGone(f"generator rank {placement.global_rank}: the trainers stopped after a failure (their "
-                             "message says which)")
+        raise PeerGone(f"generator rank {placement.global_rank}: the trainers stopped after a failure (their "
+                       "message says which)")
 
 
 def steps(s: Setup, rank: int, world: int) -> Path:
     """The step loop, from the setup's first step to trainer.total_steps."""
-    cfg, run_dir, engine, actor, tracker = s.cfg, s.run_dir, s.engine, s.actor, s.tracker
+    cfg, run_dir, engine, actor, tracker, rollouts = s.cfg, s.run_dir, s.engine, s.actor, s.tracker, s.rollouts
     shape = cfg.shape(world)
-    remote = engine if isinstance(engine, split.RemoteEngine) else None
-    t, r, a, ev = cfg.trainer, cfg.rollout, cfg.algorithm, cfg.eval
-    sampling = SamplingConfig(n=r.group_size, temperature=r.temperature, top_p=r.top_p,
-                              max_new_tokens=r.max_new_tokens, stop_token_ids=stop_token_ids(s.tokenizer))
+    t, r, a = cfg.trainer, cfg.rollout, cfg.algorithm
     # Sharing prompts needs the KV cache, which transformers drops under gradient checkpointing in training;
     # both passes over a micro-batch must take the same path (see actor._decode), so it is decided here.
     share_prompts = t.share_prompts and not cfg.model.gradient_checkpointing
-    val_history: list[tuple[int, dict]] = []
+    val_history: list[tuple[int, dict | None]] = []  # rank 0's summaries
     # No more pushes to verify: never, or only the first (which setup's push was, when it resumed a checkpoint).
     done_verifying = r.verify_push == "off" or (r.verify_push == "first" and s.loaded is not None)
     alarm = sync.MismatchAlarm(r.mismatch_alarm.factor, r.mismatch_alarm.floor or sync.ALARM_FLOOR[cfg.model.dtype],
                                r.mismatch_alarm.warmup)
+    # The checkpoint this run loaded is the state its first step starts from: abandoning that step saves nothing.
+    loaded_here = s.loaded is not None and s.loaded.parent.resolve() == (run_dir / rundir.CHECKPOINTS).resolve()
 
-    def validate(step: int) -> None:
-        """Same code path as gapo-eval; per-problem solve rates go to val/step_N.jsonl for coverage plots."""
-        results = evaluate(engine, s.tokenizer, s.benches, n=ev.n, temperature=ev.temperature, top_p=ev.top_p,
-                           max_new_tokens=ev.max_new_tokens, reward=cfg.reward, instruction=ev.instruction,
-                           seed=t.seed, progress=False)
-        if rank == 0:
-            m = summary(results, ev.coverage_threshold)
-            val_history.append((step, m))
-            tracker.log(step, m)
-            write_results(results, run_dir / rundir.VAL / rundir.step_name(step), {"step": step})
-            console.say(f"validation at step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in m.items()
-                                                                      if k.startswith("val/mean/")))
+    def save(step: int, ahead: list[int] | None = None) -> None:
+        """Checkpoint `step`; the requests of the steps after it (`ahead`, default all) go in with their rollouts."""
+        in_flight = rollouts.ahead(step, ahead)
+        checkpoint.save(actor, s.tokenizer, cfg, checkpoint.TrainerState(
+            step=step, sampler=s.sampler.state_dict(), world_size=world, wandb_id=s.wandb_id, parent=s.parent,
+            in_flight=sorted(in_flight)), run_dir, in_flight=in_flight)
 
     if s.benches and s.first_step == 1 and s.loaded is None:
-        validate(0)
+        val_history.append((0, validate(s, 0, rank)))
     skipped_in_a_row = 0
     last_rest_s = last_save_s = 0.0  # the previous step's time after scoring, and its checkpoint's: a deadline check
-
-    requests: dict[int, Request] = dict(s.in_flight)  # by step: drawn, and sent to the generator when split
-
-    def request(step: int) -> Request:
-        """Draw the step's prompts (the same global draw on every rank, each takes its contiguous shard); split:
-        send them to the generator now."""
-        drawn = s.sampler.next(r.prompts_per_step)
-        mine = range(rank * shape.prompts, (rank + 1) * shape.prompts)
-        req = Request([drawn[j] for j in mine], [request_seed(t.seed, step, j) for j in mine])
-        if remote:
-            remote.submit([s.prompt_ids[i] for i in req.problems], sampling, req.seeds)
-        return req
-
-    def collect(req: Request) -> None:
-        """The request's rollouts, sampled here (colocated) or waited for (split: answers come in request order)."""
-        if req.groups is not None:
-            return
-        tic = time.perf_counter()
-        if remote:
-            served = remote.collect()
-            req.groups, req.generator_s, req.generator_idle_s = served.groups, served.generate_s, served.idle_s
-        else:
-            req.groups = engine.generate([s.prompt_ids[i] for i in req.problems], sampling, seeds=req.seeds)
-        req.wait_s = time.perf_counter() - tic
-
-    def save(step: int, sampler_state: dict | None = None, ahead: list[int] | None = None) -> None:
-        """Checkpoint `step`; the requests of the steps after it (`ahead`, default all) go in with their rollouts."""
-        ahead = sorted(n for n in requests if n > step) if ahead is None else ahead
-        for n in ahead:  # in request order, the order the generator answers in
-            collect(requests[n])
-        checkpoint.save(actor, s.tokenizer, cfg, checkpoint.TrainerState(
-            step=step, sampler=sampler_state or s.sampler.state_dict(), world_size=world, wandb_id=s.wandb_id,
-            parent=s.parent, in_flight=ahead), run_dir, in_flight={n: requests[n] for n in ahead})
-
-    startup_s = process_age()  # process start to the first step (the step-0 validation included)
+    # Logged with the first step: process start to it (the step-0 validation included), and the branch's parent.
+    first = {"time/startup_s": process_age(), **({"branch/parent_step": s.parent["step"]} if s.parent else {})}
     for step in tqdm(range(s.first_step, t.total_steps + 1), desc="steps", disable=rank != 0,
                      initial=s.first_step - 1, total=t.total_steps, file=console.terminal()):
         timings: dict[str, float] = {}
         step_tic = time.perf_counter()
         # This step redone on resume, if it is abandoned: the sampler, RNG and requests as the previous step left them.
-        before = s.sampler.state_dict(), checkpoint.rng_state(), sorted(requests)
+        start = preempt.StepStart(step, s.sampler.state_dict(), checkpoint.rng_state(), rollouts.requested(step))
         if requested("signal") == str(step) and rank == 0:  # (gapo.faults: the preemption tests)
             os.kill(os.getpid(), signal.SIGTERM)
         # --- 1. prompts -> rollouts: this step's, requested now or up to rollout.max_staleness steps ago (split) -----
-        for n in range(step, min(step + r.max_staleness, t.total_steps) + 1):
-            if n not in requests:
-                requests[n] = request(n)
-        req = requests[step]
-        collect(req)
+        req = rollouts.take(step)
         problems, groups = [s.problems[i] for i in req.problems], req.groups
         timings["generate"] = req.wait_s
         # Sampled with the weights of step n-1-max_staleness (the previous step's when synchronous), never others.
         version = max(step - 1 - r.max_staleness, 0)
         sync.check_versions(groups, expected=version, step=step)
-        if r.sleep_between_steps:
-            engine.sleep()
 
         # --- 2. rewards, advantages, and which rollouts the loss takes: the step's batch ---------------------------
         tic = time.perf_counter()
@@ -350,20 +281,8 @@ def steps(s: Setup, rank: int, world: int) -> Path:
         timings["reward"] = time.perf_counter() - tic
         batch = StepBatch.scored(step, version, problems, groups, results, cfg)
         check_rewards(batch.flat_results, cfg.reward.max_error_frac, step, actor.device)
-        since = preempt.agreed(actor.device)
-        if since is not None and since + last_rest_s + last_save_s > t.preempt_deadline_s:
-            # Signalled, and finishing the step would pass the deadline: nothing has moved yet, so the previous
-            # step's state is saved, with the sampler and RNG from before this step.
-            checkpoint.set_rng_state(before[1])
-            reloaded = (step == s.first_step and s.loaded is not None
-                        and s.loaded.parent.resolve() == (run_dir / rundir.CHECKPOINTS).resolve())
-            if not reloaded:  # (else that state is the checkpoint this run loaded: rewriting would first remove it)
-                save(step - 1, sampler_state=before[0], ahead=before[2])
-            s.sampler.load_state_dict(before[0])
-            raise Preempted(f"preempted {since:.0f} s ago: step {step} abandoned (it would end past "
-                            f"trainer.preempt_deadline_s={t.preempt_deadline_s:g}), step {step - 1} saved in "
-                            f"{run_dir / rundir.CHECKPOINTS}; `--resume auto` goes on from there")
-        del requests[step]
+        preempt.abandon_if_late(start, last_rest_s + last_save_s, t.preempt_deadline_s, actor.device, s.sampler,
+                                None if step == s.first_step and loaded_here else save, run_dir / rundir.CHECKPOINTS)
         rest_tic = time.perf_counter()
 
         # --- 3. micro-batches, old log-probs (and entropy, engine/trainer mismatch) ------------------------------
@@ -380,55 +299,28 @@ def steps(s: Setup, rank: int, world: int) -> Path:
         skipped_in_a_row = up.skipped_in_a_row
         timings["train"] = time.perf_counter() - tic
 
-        # --- 5. weight push: gather (collective), stream into this rank's engine, verify (gapo/trainer/sync.py) ----
+        # --- 5. weight push: gather (collective), stream into the engine, verify (gapo/trainer/sync.py) ------------
         pushed = sync.push(engine, actor, step, None if done_verifying else s.probe)
         done_verifying = done_verifying or r.verify_push == "first"
         timings["weight_push"], timings["push_verify"] = pushed.push_s, pushed.verify_s
 
         # --- 6. metrics over all ranks ----------------------------------------------------------------------------
-        stats = RolloutStats.cat(up.stats)
         records = rollout_records(batch, rank, clip_high(batch.adv.c, batch.adv.k, a), up.stats,
                                   up.stat_rows, up.off_policy) if t.log_rollouts else None
-        rollouts = batch.rollouts
-        mine_step = RankStep(stats=stats, rewards=batch.rewards, c=batch.adv.c, k=batch.adv.k,
-                             reward_counts=status_counts(batch.flat_results),
-                             lengths=[len(x.response_ids) for x in rollouts], truncated=[x.truncated for x in rollouts],
-                             mismatch=torch.cat(old.mismatch + up.mismatch), entropy_sum=old.entropy_sum,
-                             kl_ref_sum=old.kl_ref_sum, first_dev=torch.cat(up.first_dev),
-                             per_rollout_mismatch=MismatchStats.cat(old.per_rollout) if old.per_rollout else None,
-                             off_policy=torch.cat(up.off_policy), skipped=up.skipped,
-                             tokens=float(sum(float(mb.resp_mask.sum()) for mini in minis for mb in mini)),
-                             timings=timings, records=records)
-        parts = gather(mine_step)
+        parts = gather(RankStep.of(batch, old, up, minis, timings, records))
+        metrics: dict[str, float] = {}
         if rank == 0:
-            metrics = step_metrics(parts, a.is_level, up.grad_norm, actor.lr(), a.correct_threshold,
-                                   correction=a.rollout_correction.mode != "off")
-            metrics["sync/weight_version"] = float(version)  # what this step's rollouts were sampled with
-            metrics["rollout/staleness"] = float(step - 1 - version)  # steps behind the on-policy weights
-            if remote:  # rank 0's generator: its time sampling this step's rollouts, and idle before them
-                metrics["time/generator_s"], metrics["time/generator_idle_s"] = req.generator_s, req.generator_idle_s
-            if math.isfinite(pushed.probe_diff):
-                metrics["sync/probe_logprob_diff"] = pushed.probe_diff  # rank 0's engine after this step's push
-            if step == s.first_step:
-                metrics["time/startup_s"] = startup_s
-                if s.parent:
-                    metrics["branch/parent_step"] = s.parent["step"]
+            metrics = {**logged_metrics(parts, batch, cfg, up, actor.lr(), req, pushed),
+                       **(first if step == s.first_step else {})}
             # Everything the step cost on rank 0 (phases + packing, metric gathering), before validation/saving.
             metrics["time/step_wall_s"] = time.perf_counter() - step_tic
             tracker.log(step, metrics)
             if t.log_rollouts:
                 tracker.log_rollouts([rec for p in parts for rec in p.records])
             console.say(console.step_line(step, t.total_steps, metrics))
-        if r.mismatch_alarm.mode != "off":
-            mine_alarm = alarm.check(step, metrics.get("logprob_mismatch/kl_k3", math.nan)) if rank == 0 else None
-            jumped = gather(mine_alarm)[0]  # rank 0's verdict, on every rank: a stop is every rank's
-            if jumped and r.mismatch_alarm.mode == "stop":
-                raise sync.SyncError(jumped)
-            if jumped and rank == 0:
-                log.warning("%s", jumped)
-                console.say(f"warning: {jumped}")
+        alarm.sound(step, metrics.get("logprob_mismatch/kl_k3", math.nan), r.mismatch_alarm.mode)
         if s.benches and ((t.eval_every and step % t.eval_every == 0) or step == t.total_steps):
-            validate(step)
+            val_history.append((step, validate(s, step, rank)))
 
         # --- 7. checkpoint (collective), and a preemption's stop ---------------------------------------------------
         since = preempt.agreed(actor.device)
@@ -437,27 +329,48 @@ def steps(s: Setup, rank: int, world: int) -> Path:
             tic = time.perf_counter()
             save(step)
             last_save_s = time.perf_counter() - tic
-        if since is not None and step < t.total_steps:
-            raise Preempted(f"preempted {since:.0f} s ago: step {step} saved in {run_dir / rundir.CHECKPOINTS}; "
-                            "`--resume auto` goes on from there")
-    if remote:
-        remote.close("done")
+        preempt.stop_if_signalled(since, step, t.total_steps, run_dir / rundir.CHECKPOINTS)
+    rollouts.close("done")
     if tracker:
         if len(val_history) > 1:
             (s0, m0), (s1, m1) = val_history[0], val_history[-1]
             console.say(f"held-out pass@1: {m0['val/mean/pass@1']:.3f} at step {s0} -> {m1['val/mean/pass@1']:.3f} "
-                        f"at step {s1}  ({', '.join(b.name for b in s.benches)}; n={ev.n})")
+                        f"at step {s1}  ({', '.join(b.name for b in s.benches)}; n={cfg.eval.n})")
         tracker.finish()
     dist.barrier()
     return run_dir
 
 
-@dataclass
-class OldLogprobs:
-    entropy_sum: float  # summed over response tokens (the step metric divides by all ranks' tokens)
-    kl_ref_sum: float
-    mismatch: list[Tensor]  # trainer - engine log-prob per response token, one tensor per micro-batch
-    per_rollout: list[MismatchStats]  # the same per rollout, and what the rollout correction did
+def validate(s: Setup, step: int, rank: int) -> dict | None:
+    """Same code path as gapo-eval; per-problem solve rates go to val/step_N.jsonl for coverage plots. Returns rank
+    0's summary (None elsewhere)."""
+    ev = s.cfg.eval
+    results = evaluate(s.engine, s.tokenizer, s.benches, n=ev.n, temperature=ev.temperature, top_p=ev.top_p,
+                       max_new_tokens=ev.max_new_tokens, reward=s.cfg.reward, instruction=ev.instruction,
+                       seed=s.cfg.trainer.seed, progress=False)
+    if rank != 0:
+        return None
+    m = summary(results, ev.coverage_threshold)
+    s.tracker.log(step, m)
+    write_results(results, s.run_dir / rundir.VAL / rundir.step_name(step), {"step": step})
+    console.say(f"validation at step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in m.items()
+                                                              if k.startswith("val/mean/")))
+    return m
+
+
+def logged_metrics(parts: list[RankStep], batch: StepBatch, cfg: Config, up: Updates, lr: float, req: Request,
+                   pushed: sync.Verified) -> dict[str, float]:
+    """Rank 0: the step's numbers over every rank's part, and what rank 0 alone measured (its generator, its probe)."""
+    a = cfg.algorithm
+    metrics = step_metrics(parts, a.is_level, up.grad_norm, lr, a.correct_threshold,
+                           correction=a.rollout_correction.mode != "off")
+    metrics["sync/weight_version"] = float(batch.version)  # what this step's rollouts were sampled with
+    metrics["rollout/staleness"] = float(batch.step - 1 - batch.version)  # steps behind the on-policy weights
+    if math.isfinite(req.generator_s):  # split: the generator's time sampling these rollouts, and idle before them
+        metrics["time/generator_s"], metrics["time/generator_idle_s"] = req.generator_s, req.generator_idle_s
+    if math.isfinite(pushed.probe_diff):
+        metrics["sync/probe_logprob_diff"] = pushed.probe_diff  # rank 0's engine after this step's push
+    return metrics
 
 
 def old_logprobs(actor: Actor, mbs: list[MicroBatch], cfg: Config) -> OldLogprobs:
@@ -469,7 +382,7 @@ def old_logprobs(actor: Actor, mbs: list[MicroBatch], cfg: Config) -> OldLogprob
     r, a = cfg.rollout, cfg.algorithm
     rc = a.rollout_correction
     out = OldLogprobs(0.0, 0.0, [], [])
-    actor.engine.train()  # one mode for both passes: the update must recompute exactly these old log-probs
+    actor.deepspeed.train()  # one mode for both passes: the update must recompute exactly these old log-probs
     with torch.no_grad():
         for mb in mbs:
             m = mb.resp_mask.bool()
@@ -477,7 +390,7 @@ def old_logprobs(actor: Actor, mbs: list[MicroBatch], cfg: Config) -> OldLogprob
                 mb.old_logp = mb.engine_logp
                 out.entropy_sum -= float(mb.old_logp[m].sum())
             else:
-                mb.old_logp, ent = actor.engine(mb, r.temperature, entropy=True)
+                mb.old_logp, ent = actor.deepspeed(mb, r.temperature, entropy=True)
                 out.mismatch.append((mb.old_logp - mb.engine_logp)[m].cpu())
                 out.entropy_sum += float(ent[m].sum())
                 w = keep = None
@@ -489,23 +402,9 @@ def old_logprobs(actor: Actor, mbs: list[MicroBatch], cfg: Config) -> OldLogprob
                 if keep is not None:
                     mb.loss_mask = mb.resp_mask * keep
             if a.kl_coef > 0:
-                mb.ref_logp = actor.ref_engine(mb, r.temperature)[0]
+                mb.ref_logp = actor.reference(mb, r.temperature)[0]
                 out.kl_ref_sum += float(kl_penalty(mb.old_logp, mb.ref_logp, mb.resp_mask, StepNorm(1.0, 1.0)))
     return out
-
-
-@dataclass
-class Updates:
-    """What the step's optimizer steps left to log; `stats` and `stat_rows` are per micro-batch update."""
-
-    stats: list[RolloutStats]
-    stat_rows: list[Tensor]  # the rollouts each entry of `stats` is about
-    off_policy: list[Tensor]  # per entry of `stats`: False on the step's first mini-batch, where nothing can clip
-    first_dev: list[Tensor]  # |log pi - log pi_old| on the step's first mini-batch (pi = pi_old there)
-    mismatch: list[Tensor]  # with engine log-probs as old ones: the first mini-batch's trainer - engine
-    grad_norm: float  # mean over the applied optimizer steps
-    skipped: int  # optimizer steps skipped for a non-finite gradient
-    skipped_in_a_row: int  # across steps: too many stop the run
 
 
 def update(actor: Actor, minis: list[list[MicroBatch]], cfg: Config, step: int, run_dir: Path,
@@ -523,8 +422,8 @@ def update(actor: Actor, minis: list[list[MicroBatch]], cfg: Config, step: int, 
             norm = StepNorm(tokens=max(float(tokens[0]), 1.0), seqs=max(float(tokens[1]), 1.0),
                             constant=a.loss_constant)
             for i, mb in enumerate(mini):
-                actor.engine.set_gradient_accumulation_boundary(i == len(mini) - 1)  # counts differ per mini-batch
-                logp, _ = actor.engine(mb, r.temperature)
+                actor.deepspeed.set_gradient_accumulation_boundary(i == len(mini) - 1)  # counts differ per mini-batch
+                logp, _ = actor.deepspeed(mb, r.temperature)
                 if on_policy:
                     dev = (logp.detach() - mb.old_logp)[mb.resp_mask.bool()].cpu()
                     out.first_dev.append(dev.abs())

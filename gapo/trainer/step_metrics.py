@@ -16,10 +16,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from gapo.reward.types import status_counts
 from gapo.trainer.losses import MAX_LOG_RATIO, RolloutStats
 
 if TYPE_CHECKING:
     from gapo.config import IsLevel
+    from gapo.trainer.batch import StepBatch
+    from gapo.trainer.logprobs import MicroBatch
 
 
 @dataclass
@@ -43,6 +46,44 @@ class RankStep:
     timings: dict[str, float]  # seconds per phase
     records: list[dict] | None = None  # rollouts.jsonl lines (trainer.log_rollouts)
     per_rollout_mismatch: MismatchStats | None = None  # with the trainer's old-log-prob pass
+
+    @classmethod
+    def of(cls, batch: StepBatch, old: OldLogprobs, up: Updates, minis: list[list[MicroBatch]],
+           timings: dict[str, float], records: list[dict] | None) -> RankStep:
+        """This rank's part of a step: its batch, and what its old-log-prob pass and its updates left to log."""
+        rollouts = batch.rollouts
+        return cls(stats=RolloutStats.cat(up.stats), rewards=batch.rewards, c=batch.adv.c, k=batch.adv.k,
+                   reward_counts=status_counts(batch.flat_results), lengths=[len(x.response_ids) for x in rollouts],
+                   truncated=[x.truncated for x in rollouts], mismatch=torch.cat(old.mismatch + up.mismatch),
+                   entropy_sum=old.entropy_sum, kl_ref_sum=old.kl_ref_sum, first_dev=torch.cat(up.first_dev),
+                   per_rollout_mismatch=MismatchStats.cat(old.per_rollout) if old.per_rollout else None,
+                   off_policy=torch.cat(up.off_policy), skipped=up.skipped,
+                   tokens=float(sum(float(mb.resp_mask.sum()) for mini in minis for mb in mini)), timings=timings,
+                   records=records)
+
+
+@dataclass
+class OldLogprobs:
+    """What the step's old-log-prob pass (gapo.trainer.loop.old_logprobs) left to log."""
+
+    entropy_sum: float  # summed over response tokens (the step metric divides by all ranks' tokens)
+    kl_ref_sum: float
+    mismatch: list[Tensor]  # trainer - engine log-prob per response token, one tensor per micro-batch
+    per_rollout: list[MismatchStats]  # the same per rollout, and what the rollout correction did
+
+
+@dataclass
+class Updates:
+    """What the step's optimizer steps left to log; `stats` and `stat_rows` are per micro-batch update."""
+
+    stats: list[RolloutStats]
+    stat_rows: list[Tensor]  # the rollouts each entry of `stats` is about
+    off_policy: list[Tensor]  # per entry of `stats`: False on the step's first mini-batch, where nothing can clip
+    first_dev: list[Tensor]  # |log pi - log pi_old| on the step's first mini-batch (pi = pi_old there)
+    mismatch: list[Tensor]  # with engine log-probs as old ones: the first mini-batch's trainer - engine
+    grad_norm: float  # mean over the applied optimizer steps
+    skipped: int  # optimizer steps skipped for a non-finite gradient
+    skipped_in_a_row: int  # across steps: too many stop the run
 
 
 def step_metrics(parts: list[RankStep], is_level: str, grad_norm: float, lr: float,

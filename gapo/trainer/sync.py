@@ -28,7 +28,9 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
+from gapo import console
 from gapo.config import Config
 from gapo.distributed import gather
 from gapo.rollout.engine import Engine
@@ -118,8 +120,9 @@ class Verified:
 
 
 def push(engine: Engine, actor: Actor, version: int, probe: Probe | None) -> Verified:
-    """Gather the actor's weights into the engine as `version`; with a probe, verify the push (collective: every
-    rank pushes and verifies, and all stop together when any rank's push failed)."""
+    """Gather the actor's weights into the engine as `version` (this rank's own, or its generator: split's leader
+    sends, the other trainers drive the gather); with a probe, verify the push (collective: every training rank
+    pushes and verifies, and all stop together when any rank's push failed)."""
     tic = time.perf_counter()
     receipt = engine.push_weights(actor.gathered_weights(), version)
     out = Verified(push_s=time.perf_counter() - tic)
@@ -161,7 +164,7 @@ def probe_diff(engine: Engine, actor: Actor, probe: Probe, version: int) -> floa
     if r.version != version:
         return math.inf
     mb = MicroBatch.pack([r.prompt_ids], [r.response_ids], probe.pad_id, engine_logp=[r.logprobs]).to(actor.device)
-    logp, _ = actor.engine(mb, probe.sampling.temperature)
+    logp, _ = actor.deepspeed(mb, probe.sampling.temperature)
     mask = mb.resp_mask.bool()
     return float((logp - mb.engine_logp)[mask].abs().mean())
 
@@ -204,3 +207,15 @@ class MismatchAlarm:
         return (f"step {step}: the sampler/trainer log-prob mismatch jumped to kl_k3 {kl_k3:.3g}, above "
                 f"{self.factor:g}x its running median {median:.3g}: the weights in the sampler likely differ from the "
                 "trainer's (a partial or stale weight push); rollout.mismatch_alarm sets what this does")
+
+    def sound(self, step: int, kl_k3: float, mode: str) -> None:
+        """Collective unless `mode` is off: rank 0 checks its `kl_k3` (the other ranks' is not looked at) and its
+        verdict holds on every rank: mode stop raises SyncError on all of them, warn says it on rank 0."""
+        if mode == "off":
+            return
+        jumped = gather(self.check(step, kl_k3) if dist.get_rank() == 0 else None)[0]
+        if jumped and mode == "stop":
+            raise SyncError(jumped)
+        if jumped and dist.get_rank() == 0:
+            log.warning("%s", jumped)
+            console.say(f"warning: {jumped}")

@@ -14,13 +14,24 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, get_args
 
 import yaml
+from pydantic import ValidationError
 
 from gapo import rundir
-from gapo.config import ConfigError, RewardConfig, load_config
-from gapo.evaluation import BenchResult, averaged, checkpoint_weights, evaluate, load_benchmark, summary, write_results
+from gapo.config import CompileMode, ConfigError, DataConfig, Dtype, EngineKind, RewardConfig, load_config
+from gapo.evaluation import (
+    Bench,
+    BenchResult,
+    averaged,
+    checkpoint_weights,
+    context_length,
+    evaluate,
+    load_benchmark,
+    summary,
+    write_results,
+)
 from gapo.reward.ifeval import METRIC_NAMES
 
 
@@ -123,13 +134,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--instruction", default=None,
                     help="appended to each problem (default: by benchmark kind; never to IFEval's prompts)")
     ap.add_argument("--limit", type=int, default=None, help="first N problems of each benchmark")
-    ap.add_argument("--engine", choices=["vllm", "hf"], default="vllm")
+    ap.add_argument("--engine", choices=get_args(EngineKind), default="vllm")
     ap.add_argument("--steps", default="last", help="with --run: comma-separated checkpoint steps, 'last' or 'all'")
     ap.add_argument("--name", default=None, help="with --run: the results' folder under eval/ (default: the --protocol "
                                                  "config's name, else 'custom')")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+    ap.add_argument("--dtype", choices=get_args(Dtype), default=None,
                     help="default: the run's model.dtype with --run, else bfloat16")
-    ap.add_argument("--compile", choices=["auto", "cache", "aot", "eager"], default="auto",
+    ap.add_argument("--compile", choices=get_args(CompileMode), default="auto",
                     help="vLLM's compile mode (rollout.compile)")
     ap.add_argument("--seed", type=int, default=None,
                     help="sampling seed (every problem's requests derive theirs from it); default: with --run each "
@@ -155,42 +166,49 @@ def main(argv: list[str] | None = None) -> int:
                 jobs += todo
             if not jobs:
                 return 0
-            model_dir = jobs[0][1]
         else:
-            model_dir, jobs = resolve_eval_model(args.model), []
-            done = Path(args.out) / "results.json" if args.out else None
             reward = RewardConfig(num_workers=args.workers)
+            done = Path(args.out) / "results.json" if args.out else None
             if done and done.is_file() and json.loads(done.read_text())["meta"].get("settings") == \
                     settings(args, args.seed or 0, args.instruction, reward):
                 print(f"gapo-eval: {done} holds this evaluation already", file=sys.stderr)
                 return 0
-        benches = [load_benchmark(s.strip(), args.limit) for s in args.benchmarks.split(",") if s.strip()]
+            jobs = [Job(Path(args.out) if args.out else None, resolve_eval_model(args.model), args.seed or 0,
+                        args.instruction, reward, None)]
+        specs = [s.strip() for s in args.benchmarks.split(",") if s.strip()]
+        benches: dict[str, list[Bench]] = {}  # runs of one data config score the same problems
+        for job in jobs:
+            if data_key(job) not in benches:
+                benches[data_key(job)] = [load_benchmark(s, args.limit, job.data) for s in specs]
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        from transformers import AutoTokenizer
+
+        model_dir = jobs[0].hf
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        positions = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings")
+        context = max(context_length(benches[data_key(job)], tokenizer, job.instruction, args.max_new_tokens,
+                                     positions) for job in jobs)
     except ConfigError as err:
         print(f"gapo-eval: {err}", file=sys.stderr)
         return 2
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from transformers import AutoTokenizer
-
     from gapo.distributed import init_distributed, leave_distributed
     from gapo.rollout.engine import build_engine
 
     init_distributed()
-    max_pos = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings", 1 << 20)
     engine = build_engine(args.engine, str(model_dir), dtype=args.dtype or "bfloat16", seed=args.seed or 0,
-                          max_model_len=min(max_pos, 4096 + args.max_new_tokens), compile=args.compile)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    alone = Job(Path(args.out) if args.out else None, model_dir, args.seed or 0, args.instruction,
-                RewardConfig(num_workers=args.workers))
-    for i, (out, hf, seed, instruction, reward) in enumerate(jobs or [alone]):
+                          max_model_len=context, compile=args.compile)
+    for i, job in enumerate(jobs):
         if i:  # the next checkpoint of the run: its weights into the same engine, as training pushes them
-            engine.push_weights(checkpoint_weights(hf), version=i)
-        results = evaluate(engine, tokenizer, benches, n=args.n, temperature=args.temperature, top_p=args.top_p,
-                           max_new_tokens=args.max_new_tokens, instruction=instruction, reward=reward, seed=seed)
-        print(f"{hf}:\n{table(results)}" if jobs else table(results))
-        if out is not None:
-            write_results(results, out, {**vars(args), "seed": seed, "instruction": instruction, "model": str(hf),
-                                         "settings": settings(args, seed, instruction, reward)})
-            print(f"wrote {out}/results.json and per_problem.jsonl")
+            engine.push_weights(checkpoint_weights(job.hf), version=i)
+        results = evaluate(engine, tokenizer, benches[data_key(job)], n=args.n, temperature=args.temperature,
+                           top_p=args.top_p, max_new_tokens=args.max_new_tokens, instruction=job.instruction,
+                           reward=job.reward, seed=job.seed)
+        print(f"{job.hf}:\n{table(results)}" if args.run else table(results))
+        if job.out is not None:
+            write_results(results, job.out, {**vars(args), "seed": job.seed, "instruction": job.instruction,
+                                             "model": str(job.hf),
+                                             "settings": settings(args, job.seed, job.instruction, job.reward)})
+            print(f"wrote {job.out}/results.json and per_problem.jsonl")
     leave_distributed()
     return 0
 
@@ -207,6 +225,12 @@ class Job(NamedTuple):
     seed: int  # sampling seed
     instruction: str | None  # appended to each problem (None: the benchmark kind's)
     reward: RewardConfig
+    data: DataConfig | None  # the run's: its arithmetic set is held out of the arithmetic benchmark
+
+
+def data_key(job: Job) -> str:
+    """Which benchmarks a job scores: those of its run's data config (the arithmetic set it holds out)."""
+    return job.data.model_dump_json() if job.data else ""
 
 
 def run_jobs(args: argparse.Namespace, run: Path) -> list[Job]:
@@ -237,6 +261,10 @@ def run_jobs(args: argparse.Namespace, run: Path) -> list[Job]:
     instruction = args.instruction if args.instruction is not None else (
         (saved.get("eval") or {}).get("instruction") or (saved.get("data") or {}).get("instruction"))
     reward = RewardConfig(**{**(saved.get("reward") or {}), "num_workers": args.workers})
+    try:
+        data = DataConfig.model_validate(saved.get("data") or {})
+    except ValidationError as err:
+        raise ConfigError(f"{found[steps[0]] / rundir.CONFIG}: its data section does not load: {err}") from None
     name = args.name or (Path(args.protocol).stem if args.protocol else "custom")
     jobs = []
     for step in steps:
@@ -248,7 +276,7 @@ def run_jobs(args: argparse.Namespace, run: Path) -> list[Job]:
                 continue
             raise ConfigError(f"{done} was evaluated with other settings ({had}); give --name to keep both, or "
                               "remove it to evaluate again")
-        jobs.append(Job(out, found[step] / "hf", seed, instruction, reward))
+        jobs.append(Job(out, found[step] / "hf", seed, instruction, reward, data))
     return jobs
 
 

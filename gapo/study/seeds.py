@@ -1,0 +1,825 @@
+"""gapo-compare seeds: several seeds per configuration, compared the way the paper's Tables 6 and 7 compare them.
+
+    gapo-compare seeds --out DIR LABEL=RUN,RUN,... LABEL=RUN,RUN,... [--steps A:B] [--val-step N] [--smooth N]
+
+Per label: the mean over its seeds ± a 95 % confidence interval (Student-t, df = seeds - 1) of the final
+validation pass@1 per benchmark and of training metrics over a window of steps. Per pair of labels: the
+difference of the means and Welch's t-test (unequal variances) on it. Writes DIR/compare.md with those tables
+and, with mean ± CI bands across seeds over steps, the figures of gapo-plot: is_ratio_by_c.png (Fig. 1),
+clip_by_c.png and clip_vs_c.png (Fig. 3), val_pass.png (Fig. 4), is_adv_corr.png (Fig. 5), coverage.png (Fig. 8)
+and training.png.
+Reads what gapo-plot reads (metrics.jsonl and config.yaml), with its loader.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from matplotlib.figure import Figure
+from scipy import stats
+
+from gapo.errors import ConfigError
+from gapo.study.figures import (
+    ALL_STEPS,
+    RAW_PREFIX,
+    PlotError,
+    Run,
+    Window,
+    add_figure_options,
+    clip_totals,
+    figure_options,
+    finish,
+    grid,
+    in_window,
+    load_run,
+    md_cell,
+    moving_average,
+    no_data,
+    run_style,
+    window_text,
+)
+from gapo.study.plot import TRAINING_PANELS
+
+LEVEL = 0.95
+_VAL_PASS1 = re.compile(r"^val/(.+)/pass@1$")
+_VAL_COVERAGE = re.compile(r"^val/(.+)/coverage$")
+# Per-step training metrics compared as their mean over the window's steps (besides the exact clip by c).
+WINDOW_METRICS = ("reward/mean", "entropy", "response/len_mean", "clip_frac", "is_adv_corr")
+
+
+class CompareError(PlotError):
+    """Inputs that cannot be compared; main() prints it and exits with status 2."""
+
+
+# ---------------------------------------------------------------------------------------------- statistics
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One label's values of one metric, one per seed: mean ± a Student-t interval (the paper's Table 6), for
+    quantities without bounds (entropy, lengths, correlations). `seeds` (trainer.seed of each value's run, same
+    order) is what pairs two labels' values: same-seed runs share prompt order, sampling and evaluation seeds."""
+
+    values: tuple[float, ...]
+    seeds: tuple[int, ...] = ()
+
+    @property
+    def n(self) -> int:
+        return len(self.values)
+
+    @property
+    def mean(self) -> float:
+        return float(np.mean(self.values))
+
+    @property
+    def centre(self) -> float:
+        """What a cell shows as the estimate: inside interval() whenever that is defined."""
+        return self.mean
+
+    @property
+    def half_width(self) -> float:
+        """t_{0.975, n-1} * s / sqrt(n), s the sample standard deviation: the paper's Table 6 interval.
+        NaN below two seeds, where the spread, and so the interval, is undefined."""
+        return ci_half_width(self.values)
+
+    def interval(self, level: float = LEVEL) -> tuple[float, float]:
+        h = ci_half_width(self.values, level)
+        return self.mean - h, self.mean + h
+
+    def by_seed(self) -> dict[int, float]:
+        return dict(zip(self.seeds, self.values, strict=True))
+
+
+@dataclass(frozen=True)
+class ProportionEstimate(Estimate):
+    """A fraction per seed (pass@k, a clip fraction), whose interval must stay in [0, 1].
+
+    Without counts (pass@k per seed): the centre is the back-transformed mean logit over seeds (so it lies inside
+    its interval: a Student-t interval on the logit scale, df = n - 1, mapped back); fractions are held within
+    [1e-3, 1 - 1e-3]; seeds that all agree give the value with a zero-width interval (no spread to estimate). Its
+    estimand is a typical seed's fraction on the logit scale; Δ between labels is of arithmetic means (`mean`).
+
+    With `counts` (events, units) per seed (clip decisions): the estimand is the pooled fraction, events over units
+    summed over seeds (a decision-weighted rate), and the interval is the hull of two: Clopper–Pearson on the
+    pooled counts (exact if decisions were independent; defined at 0 of n and at one seed) and the seed-clustered
+    (sandwich) standard error, Student-t with df = n - 1 on the logit scale (which widens it when seeds differ
+    more than binomially). The clustered one alone collapses to zero width when every seed has the same fraction
+    (1/2, 2/4, 3/6) or none clipped (0 of 22): its simulated coverage at a 4 % rate with 2-7 decisions per seed
+    and 5 seeds was 0.58 (tests/test_compare.py measures the hull's).
+
+    Why not a bootstrap over seeds: with 3-5 seeds it has a few dozen distinct resamples and its percentile
+    interval is too narrow; the t-interval's df = n - 1 pays for the few seeds."""
+
+    counts: tuple[tuple[float, float], ...] = ()
+
+    def _logits(self) -> np.ndarray:
+        p = np.clip(np.asarray(self.values, dtype=float), 1e-3, 1 - 1e-3)
+        return np.log(p / (1 - p))
+
+    def _pooled(self) -> tuple[float, float, float]:
+        """Events, units and the seed-clustered standard error of their ratio:
+        Var = n/(n-1) sum_i (e_i - p u_i)^2 / U^2 (NaN at one seed)."""
+        e, u = (np.array(x, dtype=float) for x in zip(*self.counts, strict=True))
+        p, n = e.sum() / u.sum(), len(u)
+        se = math.sqrt(n / (n - 1) * ((e - p * u) ** 2).sum()) / u.sum() if n > 1 else float("nan")
+        return float(e.sum()), float(u.sum()), se
+
+    @property
+    def constant(self) -> bool:
+        return self.n > 0 and bool(np.ptp(self.values) == 0)
+
+    @property
+    def centre(self) -> float:
+        if self.n == 0:
+            return float("nan")
+        if self.counts:
+            events, units, _ = self._pooled()
+            return events / units
+        if self.n == 1 or self.constant:
+            return float(self.values[0])
+        return float(1 / (1 + math.exp(-self._logits().mean())))
+
+    def interval(self, level: float = LEVEL) -> tuple[float, float]:
+        if self.counts and self.n:
+            events, units, se = self._pooled()
+            lo, hi = clopper_pearson(events, units, level)
+            p = events / units
+            if self.n > 1 and 0 < p < 1 and se > 0:  # the delta method: d logit(p) / dp = 1 / (p (1 - p))
+                t = stats.t.ppf((1 + level) / 2, self.n - 1)
+                mid, h = math.log(p / (1 - p)), t * se / (p * (1 - p))
+                lo, hi = min(lo, _expit(mid - h)), max(hi, _expit(mid + h))
+            return lo, hi
+        if self.n < 2:
+            return float("nan"), float("nan")
+        if self.constant:
+            return self.centre, self.centre
+        t = stats.t.ppf((1 + level) / 2, self.n - 1)
+        z = self._logits()
+        mid, h = z.mean(), t * z.std(ddof=1) / math.sqrt(len(z))
+        return _expit(mid - h), _expit(mid + h)
+
+
+def _expit(x: float) -> float:
+    return float(1 / (1 + math.exp(-x)))
+
+
+def clopper_pearson(events: float, units: float, level: float = LEVEL) -> tuple[float, float]:
+    """The exact binomial interval of events / units (0 of n gives [0, 1 - (alpha/2)^(1/n)], never zero width)."""
+    a = 1 - level
+    lo = 0.0 if events <= 0 else float(stats.beta.ppf(a / 2, events, units - events + 1))
+    hi = 1.0 if events >= units else float(stats.beta.ppf(1 - a / 2, events + 1, units - events))
+    return lo, hi
+
+
+def ci_half_width(values: Iterable[float], level: float = LEVEL) -> float:
+    v = np.asarray(list(values), dtype=float)
+    if len(v) < 2:
+        return float("nan")
+    return float(stats.t.ppf((1 + level) / 2, len(v) - 1) * v.std(ddof=1) / math.sqrt(len(v)))
+
+
+def welch(a: Iterable[float], b: Iterable[float]) -> tuple[float, float, float]:
+    """Welch's t statistic, its Welch-Satterthwaite degrees of freedom and the two-sided p-value (Table 7).
+    NaN when a side has fewer than two seeds or neither side has any spread (the test is undefined there:
+    significance() says which)."""
+    a, b = np.asarray(list(a), dtype=float), np.asarray(list(b), dtype=float)
+    if len(a) < 2 or len(b) < 2 or (np.ptp(a) == 0 and np.ptp(b) == 0):
+        return float("nan"), float("nan"), float("nan")
+    with warnings.catch_warnings():  # one side without spread is a valid case; scipy warns of "nearly identical" data
+        warnings.simplefilter("ignore", RuntimeWarning)
+        res = stats.ttest_ind(a, b, equal_var=False)
+    return float(res.statistic), float(res.df), float(res.pvalue)
+
+
+def significance(a: Iterable[float], b: Iterable[float]) -> str:
+    """Welch's p-value as a table shows it, with the cases where the test is undefined said in words: unpaired,
+    because runs of different methods share nothing but the seed's number (their evaluations draw independent
+    samples, see gapo-eval --seed), so a paired test would pair unrelated noise."""
+    a, b = list(a), list(b)
+    if len(a) < 2 or len(b) < 2:
+        return "(n < 2: no test)"
+    if np.ptp(a) == 0 and np.ptp(b) == 0:
+        return "(no spread on either side: identical)" if a[0] == b[0] else \
+            "(no spread on either side: every seed differs the same way; no test)"
+    _, _, p = welch(a, b)
+    return f"{stars(p)} (p = {p:.2g})"
+
+
+def paired_differences(a: Estimate, b: Estimate) -> tuple[list[int], np.ndarray]:
+    """The seeds both labels have (by trainer.seed, never by list position: a missing seed would shift every later
+    pair) and a - b at each."""
+    ab, bb = a.by_seed(), b.by_seed()
+    common = sorted(set(ab) & set(bb))
+    return common, np.array([ab[s] - bb[s] for s in common], dtype=float)
+
+
+def paired_t(d: Iterable[float], level: float = LEVEL) -> tuple[float, float, float, float]:
+    """Mean of the per-seed differences, its Student-t interval (df = pairs - 1) and the two-sided p-value of the
+    paired t-test; NaN interval and p below two pairs or without spread."""
+    d = np.asarray(list(d), dtype=float)
+    m = float(d.mean()) if len(d) else float("nan")
+    if len(d) < 2 or np.ptp(d) == 0:
+        return m, float("nan"), float("nan"), float("nan")
+    h = ci_half_width(d, level)
+    p = float(stats.ttest_1samp(d, 0.0).pvalue)
+    return m, m - h, m + h, p
+
+
+def sign_flip_p(d: Iterable[float]) -> float:
+    """Exact two-sided p of the sign-flip (permutation) test of mean(d) = 0: every assignment of signs counted.
+    It assumes only that each difference is symmetric about 0 under no effect; with n pairs its smallest p is
+    2 / 2^n (0.0625 at 5 pairs), whatever the data."""
+    d = np.asarray(list(d), dtype=float)
+    n = len(d)
+    if n == 0 or n > 20:
+        return float("nan")
+    signs = 1 - 2 * ((np.arange(2**n)[:, None] >> np.arange(n)) & 1)
+    means = np.abs((signs * d).mean(axis=1))
+    return float(np.mean(means >= abs(d.mean()) - 1e-12))
+
+
+def holm(pvalues: list[float]) -> list[float]:
+    """Holm's step-down adjusted p-values (family-wise error), in the input order; NaN stays NaN, uncounted."""
+    idx = [i for i, p in enumerate(pvalues) if math.isfinite(p)]
+    m, out, running = len(idx), [float("nan")] * len(pvalues), 0.0
+    for rank, i in enumerate(sorted(idx, key=lambda i: pvalues[i])):
+        running = max(running, min(1.0, (m - rank) * pvalues[i]))
+        out[i] = running
+    return out
+
+
+def cmh(strata: list[tuple[float, float, float, float]]) -> tuple[float, float, float]:
+    """Cochran–Mantel–Haenszel test of two arms' event rates, stratified by seed: strata of (events_a, units_a,
+    events_b, units_b). Returns the Mantel–Haenszel common odds ratio (a over b), the continuity-corrected chi^2
+    (1 df) and its p-value; NaN where no stratum has both events and non-events. It assumes independent decisions
+    within a stratum, which clip decisions are not (a mini-batch's rollouts share one update; under token IS the
+    units are tokens of one rollout): the seed-level tests are primary, this one is read beside them."""
+    num = den = dev = var = 0.0
+    for ea, ua, eb, ub in strata:
+        total, events = ua + ub, ea + eb
+        if total < 2 or events in (0, total):
+            continue
+        num += ea * (ub - eb) / total
+        den += eb * (ua - ea) / total
+        dev += ea - ua * events / total
+        var += ua * ub * events * (total - events) / (total**2 * (total - 1))
+    if var == 0:
+        return float("nan"), float("nan"), float("nan")
+    chi2 = (abs(dev) - 0.5) ** 2 / var if abs(dev) > 0.5 else 0.0
+    odds = num / den if den > 0 else float("inf")
+    return odds, chi2, float(stats.chi2.sf(chi2, 1))
+
+
+def mh_odds_interval(strata: list[tuple[float, float, float, float]],
+                     level: float = LEVEL) -> tuple[float, float]:
+    """The Robins–Breslow–Greenland interval of the Mantel–Haenszel odds ratio (same strata as cmh; same
+    independence assumption). [0, inf] where the odds ratio is 0 or infinite."""
+    r_sum = s_sum = pr = ps_qr = qs = 0.0
+    for ea, ua, eb, ub in strata:
+        n = ua + ub
+        if n < 1:
+            continue
+        a, b, c, d = ea, ua - ea, eb, ub - eb
+        p, q, r, s_ = (a + d) / n, (b + c) / n, a * d / n, b * c / n
+        r_sum, s_sum = r_sum + r, s_sum + s_
+        pr, ps_qr, qs = pr + p * r, ps_qr + p * s_ + q * r, qs + q * s_
+    if r_sum == 0 or s_sum == 0:  # an odds ratio of 0 or infinity: its log has no variance, the interval no bound
+        return 0.0, float("inf")
+    var = pr / (2 * r_sum**2) + ps_qr / (2 * r_sum * s_sum) + qs / (2 * s_sum**2)
+    z = stats.norm.ppf((1 + level) / 2)
+    log_or = math.log(r_sum / s_sum)
+    return math.exp(log_or - z * math.sqrt(var)), math.exp(log_or + z * math.sqrt(var))
+
+
+def stars(p: float) -> str:
+    """The paper's marks: * p < 0.05, ** p < 0.01, *** p < 0.001."""
+    if not math.isfinite(p):
+        return ""
+    return "***" if p < 0.001 else "**" if p < 0.01 else "*" if p < 0.05 else ""
+
+
+# ------------------------------------------------------------------------------------------------- inputs
+
+
+def parse_group(arg: str) -> tuple[str, list[str]]:
+    label, sep, dirs = arg.partition("=")
+    runs = [d.strip() for d in dirs.split(",") if d.strip()]
+    if not sep or not label.strip() or not runs:
+        raise CompareError(f"{arg!r}: expected LABEL=RUN_DIR,RUN_DIR,... (one label, its seeds' run directories)")
+    return label.strip(), runs
+
+
+def load_groups(args: list[str]) -> dict[str, list[Run]]:
+    """Label -> its runs, refusing what has no confidence interval: a label with a single run."""
+    groups: dict[str, list[Run]] = {}
+    for arg in args:
+        label, dirs = parse_group(arg)
+        if label in groups:
+            raise CompareError(f"label {label!r} is given twice; give all its runs in one LABEL=RUN,RUN,...")
+        if len(dirs) < 2:
+            raise CompareError(f"label {label!r} has one run ({dirs[0]}): a confidence interval needs at least two "
+                               "seeds (df = seeds - 1); add its other seeds, or use gapo-plot for single runs")
+        try:
+            groups[label] = [load_run(d, f"{label} #{i + 1}") for i, d in enumerate(dirs)]
+        except PlotError as e:
+            raise CompareError(f"label {label!r}: {e}") from None
+        seen: dict[int, Run] = {}
+        for r in groups[label]:
+            if (s := run_seed(r)) in seen:
+                raise CompareError(f"label {label!r}: {seen[s].path} and {r.path} both ran trainer.seed {s}; labels "
+                                   "are compared seed by seed, so each seed may appear once per label")
+            seen[s] = r
+    if len(groups) < 2:
+        print("gapo-compare: warning: one label only: confidence intervals but no comparisons", file=sys.stderr)
+    return groups
+
+
+def run_seed(run: Run) -> int:
+    """trainer.seed of a run (0 when its config predates the key, as training defaulted)."""
+    return int((run.config.get("trainer") or {}).get("seed", 0))
+
+
+def final_validation(run: Run, step: int | None = None) -> tuple[int, dict[str, float]] | None:
+    """(step, benchmark -> pass@1) at the run's last validation, or at `step`; None when it never validated.
+    The benchmarks include `mean` (the average over in-domain benchmarks) when the run logged it."""
+    by_bench = {m.group(1): dict(run.get(key)) for key in run.series if (m := _VAL_PASS1.match(key))}
+    steps = sorted({s for pts in by_bench.values() for s in pts})
+    if not steps:
+        return None
+    if step is None:
+        step = steps[-1]
+    elif step not in steps:
+        raise CompareError(f"{run.path}: no validation at step {step} (validated at {', '.join(map(str, steps))})")
+    return step, {b: pts[step] for b, pts in sorted(by_bench.items()) if step in pts}
+
+
+def _bench_order(names: Iterable[str]) -> list[str]:
+    return sorted(names, key=lambda b: (b == "mean", b))
+
+
+def validation_estimates(groups: dict[str, list[Run]], step: int | None,
+                         notes: list[str]) -> tuple[list[str], dict[str, dict[str, Estimate]]]:
+    """Benchmarks, and per label and benchmark the seeds' final pass@1. Every run must have validated on the
+    same benchmarks: a table with a column missing for some seeds would compare different things."""
+    finals = {(label, i): final_validation(r, step) for label, runs in groups.items() for i, r in enumerate(runs)}
+    if all(f is None for f in finals.values()):
+        return [], {}
+    ref_key = next(k for k, f in finals.items() if f is not None)
+    ref_run = groups[ref_key[0]][ref_key[1]]
+    ref = set(finals[ref_key][1])
+    for (label, i), f in finals.items():
+        run = groups[label][i]
+        have = set(f[1]) if f else set()
+        if have != ref:
+            raise CompareError(f"label {label!r}: {run.path} validated on {', '.join(sorted(have)) or 'nothing'} "
+                               f"but {ref_run.path} on {', '.join(sorted(ref))}: mismatched benchmarks")
+    at = sorted({f[0] for f in finals.values()})
+    if len(at) > 1:
+        where = ", ".join(f"{groups[lab][i].path}: {f[0]}" for (lab, i), f in finals.items())
+        notes.append(f"The runs' final validations are at different steps ({where}).")
+        print(f"gapo-compare: warning: final validation at different steps ({where})", file=sys.stderr)
+    benches = _bench_order(ref)
+    est = {label: {b: ProportionEstimate(tuple(finals[(label, i)][1][b] for i in range(len(runs))),
+                                         seeds=tuple(run_seed(r) for r in runs)) for b in benches}
+           for label, runs in groups.items()}
+    return benches, est
+
+
+def window_counts(run: Run, events: str, units: str, window: Window) -> tuple[float, float] | None:
+    """Sums of a per-step count and its units over the window; None when the run did not log them (older runs)
+    or logged no unit."""
+    e, u = dict(run.get(events)), dict(run.get(units))
+    steps = [st for st in u if in_window(st, window) and st in e]
+    total = sum(u[st] for st in steps)
+    return (sum(e[st] for st in steps), total) if steps and total > 0 else None
+
+
+def window_mean(run: Run, key: str, window: Window) -> float | None:
+    vals = [v for s, v in run.get(key) if in_window(s, window)]
+    return float(np.mean(vals)) if vals else None
+
+
+def training_estimates(groups: dict[str, list[Run]],
+                       window: Window) -> tuple[list[str], dict[str, dict[str, Estimate]]]:
+    """Per label and metric, one value per seed over the window: the exact clip fraction of correct rollouts
+    per c and overall (summed counts) and the mean of per-step WINDOW_METRICS. A seed without the metric in the
+    window is left out of that cell (its n says so)."""
+    per_run: dict[str, list[dict[str, float]]] = {}
+    seeds: dict[str, list[int]] = {}
+    for label, runs in groups.items():
+        rows = []
+        for r in runs:
+            row = {f"clip_frac/c{c}": (t.frac, (t.clipped, t.units)) for c, t in clip_totals(r, window).items()}
+            row |= {key: v for key in WINDOW_METRICS if (v := window_mean(r, key, window)) is not None}
+            if (overall := window_counts(r, "clip_all", "clip_units", window)) is not None:
+                row["clip_frac"] = (overall[0] / overall[1], overall)  # exact over the window, as per c
+            rows.append(row)
+        per_run[label] = rows
+        seeds[label] = [run_seed(r) for r in runs]
+    keys = {k for rows in per_run.values() for row in rows for k in row}
+    clip_keys = sorted((k for k in keys if k.startswith("clip_frac/c")), key=lambda k: int(k.split("/c")[1]))
+    metrics = [k for k in WINDOW_METRICS if k in keys] + clip_keys
+    def estimate(key: str, rows: list[dict], label_seeds: list[int]) -> Estimate:
+        got = [(row[key], s) for row, s in zip(rows, label_seeds, strict=True) if key in row]
+        vals, ss = tuple(v for v, _ in got), tuple(s for _, s in got)
+        if vals and isinstance(vals[0], tuple):  # (fraction, (events, units)): the count path
+            return ProportionEstimate(tuple(v for v, _ in vals), ss, counts=tuple(c for _, c in vals))
+        return ProportionEstimate(vals, ss) if key == "clip_frac" else Estimate(vals, ss)
+
+    est = {label: {k: estimate(k, rows, seeds[label]) for k in metrics} for label, rows in per_run.items()}
+    return metrics, est
+
+
+# -------------------------------------------------------------------------------------------------- tables
+
+
+def _fmt(x: float, percent: bool) -> str:
+    return f"{100 * x:.2f}" if percent else f"{x:.4g}"
+
+
+def estimate_cell(e: Estimate | None, percent: bool, expected: int | None = None) -> str:
+    """`expected`: the seeds asked for; a cell with fewer says how many it has of them."""
+    if e is None or e.n == 0:
+        return "–"
+    n = f"n = {e.n}" + (f" of {expected}" if expected and e.n < expected else "")
+    if e.n < 2 and not (isinstance(e, ProportionEstimate) and e.counts):
+        return f"{_fmt(e.centre, percent)} ({n})"
+    if isinstance(e, ProportionEstimate):
+        lo, hi = e.interval()
+        return f"{_fmt(e.centre, percent)} [{_fmt(lo, percent)}, {_fmt(hi, percent)}] ({n})"
+    return f"{_fmt(e.mean, percent)} ± {_fmt(e.half_width, percent)}" + \
+        ("" if percent and not (expected and e.n < expected) else f" ({n})")
+
+
+def difference_cell(a: Estimate | None, b: Estimate | None, percent: bool) -> str:
+    """Δ = the mean over seeds both labels ran of a − b, paired by trainer.seed (same-seed runs share prompt
+    order, sampling and evaluation seeds), its 95 % Student-t interval and paired-t p. Values without seeds
+    (hand-built estimates) fall back to the unpaired difference of means with Welch's test, said so."""
+    if a is None or b is None or a.n == 0 or b.n == 0:
+        return "–"
+    f = (lambda x: f"{100 * x:+.2f}") if percent else (lambda x: f"{x:+.4g}")
+    if not (a.seeds and b.seeds):
+        sig = significance(a.values, b.values)
+        return f"{f(a.mean - b.mean)} unpaired " + (sig if sig.startswith("*") else sig.strip())
+    common, d = paired_differences(a, b)
+    if not common:
+        return "(no seed in common: no pairs)"
+    m, lo, hi, p = paired_t(d)
+    if not math.isfinite(p):
+        why = "one pair" if len(d) < 2 else "every pair differs the same" if m else "identical in every pair"
+        return f"{f(m)} ({len(d)} pairs: {why}; no test)"
+    return f"{f(m)} [{f(lo)}, {f(hi)}] {stars(p)}(p = {p:.2g}, {len(d)} pairs)"
+
+
+def tables(columns: list[str], est: dict[str, dict[str, Estimate]], percent: bool) -> list[str]:
+    """Table 6 (labels x columns, mean ± CI) and Table 7 (pairs of labels x columns, Δ paired by seed)."""
+    labels = list(est)
+    cols = " | ".join(md_cell(c) for c in columns)
+    sep = "|---" * (len(columns) + 1) + "|"
+    out = [f"| label | {cols} |", sep]
+    out += ["| " + " | ".join([md_cell(lab)] + [estimate_cell(est[lab].get(c), percent) for c in columns]) + " |"
+            for lab in labels]
+    if len(labels) > 1:
+        out += ["", f"| Δ = first − second | {cols} |", sep]
+        for i, a in enumerate(labels):
+            for b in labels[i + 1:]:
+                cells = [difference_cell(est[a].get(c), est[b].get(c), percent) for c in columns]
+                out.append("| " + " | ".join([md_cell(f"{a} vs {b}")] + cells) + " |")
+    return out
+
+
+# ------------------------------------------------------------------------------------------------- figures
+
+
+def band(runs: list[Run], key: str, smooth: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Steps, mean across seeds and CI half-width at each step that some seed logged (NaN below two seeds).
+    Smoothing is per seed, before the mean, as gapo-plot smooths one run."""
+    per_step: dict[int, list[float]] = {}
+    for r in runs:
+        pts = r.get(key)
+        ys = moving_average(np.array([v for _, v in pts], dtype=float), smooth)
+        for (s, _), y in zip(pts, ys, strict=True):
+            per_step.setdefault(s, []).append(float(y))
+    steps = sorted(per_step)
+    return (np.array(steps, dtype=float), np.array([np.mean(per_step[s]) for s in steps]),
+            np.array([ci_half_width(per_step[s]) for s in steps]))
+
+
+def _plot_band(ax, runs: list[Run], key: str, label: str, i: int, smooth: int = 1) -> bool:
+    x, mean, half = band(runs, key, smooth)
+    if not len(x):
+        return False
+    style = run_style(i)
+    ok = np.isfinite(half)
+    ax.fill_between(x, np.where(ok, mean - half, mean), np.where(ok, mean + half, mean), color=style["color"],
+                    alpha=0.2, linewidth=0, label=f"{RAW_PREFIX}{label} CI")
+    if len(x) > 40:
+        style["marker"] = None
+    ax.plot(x, mean, linewidth=1.7, markersize=4, label=label, **style)
+    return True
+
+
+def _legend_runs(groups: dict[str, list[Run]]) -> list[Run]:
+    """One pseudo-run per label for gapo-plot's legend and step range."""
+    return [Run(label=lab, path=Path(lab), config={}, steps=sorted({s for r in runs for s in r.steps}))
+            for lab, runs in groups.items()]
+
+
+def _panels(groups: dict[str, list[Run]], keys: list[tuple[str, str]], title: str, smooth: int,
+            max_cols: int = 3, sharey: bool = False) -> Figure:
+    fig, axes = grid(len(keys), max_cols, (4.6, 3.3), sharey=sharey)
+    for ax, (key, name) in zip(axes, keys, strict=True):
+        drawn = [_plot_band(ax, runs, key, lab, i, smooth) for i, (lab, runs) in enumerate(groups.items())]
+        ax.set_title(name, fontsize=10)
+        if not any(drawn):
+            no_data(ax, key)
+    smoothed = f"; each seed's curve a moving average over {smooth} logged steps" if smooth > 1 else ""
+    return finish(fig, _legend_runs(groups), f"{title}\n(mean over seeds ± {LEVEL:.0%} CI, Student-t{smoothed})")
+
+
+LowHigh = tuple[float, float, float, float]  # (clipped, decisions) at low c, then at high c
+
+
+def low_high(run: Run, window: Window, half: float) -> LowHigh:
+    """One run's correct-rollout clip counts summed over low c (c <= k/2, where GAPO's bound is widest) and high c."""
+    t = clip_totals(run, window)
+    return (sum(x.clipped for c, x in t.items() if c <= half), sum(x.units for c, x in t.items() if c <= half),
+            sum(x.clipped for c, x in t.items() if c > half), sum(x.units for c, x in t.items() if c > half))
+
+
+def _half(groups: dict[str, list[Run]]) -> float:
+    return max(int(r.config.get("rollout", {}).get("group_size", 8)) for runs in groups.values() for r in runs) / 2
+
+
+def interaction_table(groups: dict[str, list[Run]], window: Window) -> list[str]:
+    """The primary endpoint: the c x rule interaction, paired by seed.
+
+    Per seed, a rule's contrast is its clip fraction at low c minus at high c (correct rollouts, off-policy
+    decisions pooled within the seed); the interaction of two rules is the difference of their contrasts at the
+    same trainer.seed. GAPO's claim is about this shape, that scarce correct rollouts are clipped less relative
+    to abundant ones than under a fixed bound, not that a wider bound clips less."""
+    half = _half(groups)
+    per = {lab: {run_seed(r): low_high(r, window, half) for r in runs} for lab, runs in groups.items()}
+    contrast = {lab: {s: x[0] / x[1] - x[2] / x[3] for s, x in got.items() if x[1] > 0 and x[3] > 0}
+                for lab, got in per.items()}
+    labels = list(groups)
+    out = ["", "## The c × rule interaction, paired by seed (primary endpoint)", "",
+           f"Per seed: a rule's contrast is its clip fraction of correct rollouts at low c (c ≤ {half:g}) minus at "
+           "high c, each pooled over the seed's off-policy decisions; the interaction of two labels is the "
+           "difference of their contrasts at the same trainer.seed. A seed with no decision at low or high c has no "
+           "contrast and drops out (pairs counts the rest). Mean [95 % Student-t interval], paired t-test p; the "
+           "sign-flip test assumes only symmetry under no effect, and with n pairs cannot go below 2 / 2^n "
+           "(0.0625 at 5). Holm's correction is over this table's tests.", "",
+           "| label | contrast per seed (low c − high c) | mean [95 % CI] |", "|---|---|---|"]
+    for lab in labels:
+        c = contrast[lab]
+        e = Estimate(tuple(c.values()))
+        cell = (f"{e.mean:+.3f} [{e.mean - e.half_width:+.3f}, {e.mean + e.half_width:+.3f}]" if e.n > 1
+                else f"{e.mean:+.3f} (n = 1)" if e.n else "–")
+        out.append(f"| {md_cell(lab)} | {', '.join(f'{s}: {v:+.3f}' for s, v in sorted(c.items())) or '–'} | "
+                   f"{cell} |")
+    rows, pvals = [], []
+    for i, a in enumerate(labels):
+        for b in labels[i + 1:]:
+            common = sorted(set(contrast[a]) & set(contrast[b]))
+            d = np.array([contrast[a][s] - contrast[b][s] for s in common])
+            m, lo, hi, p = paired_t(d) if len(d) else (float("nan"),) * 4
+            rows.append((a, b, common, d, m, lo, hi, p, sign_flip_p(d) if len(d) else float("nan")))
+            pvals.append(p)
+    adjusted = holm(pvals)
+    m_tests = sum(math.isfinite(p) for p in pvals)
+    out += ["", f"| interaction (first − second) | pairs | per seed | mean [95 % CI] | paired t p | sign-flip p | "
+            f"Holm ({m_tests} tests) |", "|---|---|---|---|---|---|---|"]
+    for (a, b, common, d, m, lo, hi, p, sp), adj in zip(rows, adjusted, strict=True):
+        per_seed = ", ".join(f"{s}: {x:+.3f}" for s, x in zip(common, d, strict=True)) or "–"
+        ci = f"{m:+.3f} [{lo:+.3f}, {hi:+.3f}]" if math.isfinite(lo) else (f"{m:+.3f}" if len(d) else "–")
+        test = (f"{p:.2g}{stars(p)}" if math.isfinite(p)
+                else "(no test: fewer than 2 pairs)" if len(d) < 2 else "(no test: no spread)")
+        holm_cell = (f"{adj:.2g} ({'survives' if adj < 0.05 else 'does not survive'})" if math.isfinite(adj)
+                     else "–")
+        sf = f"{sp:.3g}" if math.isfinite(sp) else "–"
+        out.append(f"| {md_cell(a)} − {md_cell(b)} | {len(d)} | {per_seed} | {ci} | {test} | {sf} | {holm_cell} |")
+    return out
+
+
+def pooled_clip_table(groups: dict[str, list[Run]], window: Window) -> list[str]:
+    """Low and high c against each pair of labels: the clip counts pooled over seeds by a Cochran–Mantel–Haenszel
+    test, each seed a stratum (the same trainer.seed on both sides; a seed only one side ran is left out)."""
+    half = _half(groups)
+    per = {lab: {run_seed(r): low_high(r, window, half) for r in runs} for lab, runs in groups.items()}
+    labels = [lab for lab, got in per.items() if any(x[1] + x[3] for x in got.values())]
+    if len(labels) < 2:
+        return []
+    rows, pvals = [], []
+    for i, a in enumerate(labels):
+        for b in labels[i + 1:]:
+            common = sorted(set(per[a]) & set(per[b]))
+            for band, j in (("low", 0), ("high", 2)):
+                strata = [(per[a][s][j], per[a][s][j + 1], per[b][s][j], per[b][s][j + 1]) for s in common]
+                odds, chi2, p = cmh(strata)
+                rows.append((a, b, band, strata, odds, chi2, p, mh_odds_interval(strata)))
+                pvals.append(p)
+    adjusted = holm(pvals)
+    m_tests = sum(math.isfinite(p) for p in pvals)
+    out = ["", "## Clip counts pooled over seeds (Cochran–Mantel–Haenszel; assumes independent decisions)", "",
+           "Correct rollouts' clip decisions over the window's off-policy updates, summed per seed over c ≤ k/2 "
+           "(low c) or c > k/2 (high c); each seed that both labels ran is a stratum. The common odds ratio is the "
+           "first label's odds of a clip over the second's, with its Robins–Breslow–Greenland 95 % interval. It "
+           "treats every decision as independent, which they are not (a mini-batch's rollouts share one update; "
+           "under token IS the units are tokens of one rollout), so its p-values are too small by an unknown "
+           "factor: the seed-level table above is primary. Holm's correction is over this table's tests.", "",
+           f"| comparison | c | seeds | clipped / decisions (first) | clipped / decisions (second) | odds ratio "
+           f"[95 % CI] | χ² | p | Holm ({m_tests} tests) |", "|---|---|---|---|---|---|---|---|---|"]
+    for (a, b, band, strata, odds, chi2, p, (lo, hi)), adj in zip(rows, adjusted, strict=True):
+        sums = [sum(x[j] for x in strata) for j in range(4)]
+        if math.isfinite(p):
+            test = f"{odds:.3g} [{lo:.3g}, {hi:.3g}] | {chi2:.3g} | {p:.2g}{stars(p)}"
+            holm_cell = f"{adj:.2g} ({'survives' if adj < 0.05 else 'does not survive'})"
+        else:
+            test, holm_cell = "– | – | (no stratum with both outcomes: no test)", "–"
+        out.append(f"| {md_cell(a)} vs {md_cell(b)} | {band} | {len(strata)} | {sums[0]:g} / {sums[1]:g} | "
+                   f"{sums[2]:g} / {sums[3]:g} | {test} | {holm_cell} |")
+    return out
+
+
+def band_tables(groups: dict[str, list[Run]]) -> list[str]:
+    """For each pair of labels whose runs logged rollouts under sequence-level rules: where the two rules decide
+    differently, per c, on both labels' logged ratios (gapo.study.band); a pair the counts cannot cover says why."""
+    from gapo.study import band
+
+    rules, why = {}, {}
+    for lab, runs in groups.items():
+        try:
+            rules[lab] = band.run_rule(runs[0].path, lab, runs[0].config)
+            band.rollouts_log(runs[0].path)
+        except (PlotError, ConfigError) as e:
+            why[lab] = str(e)
+    labels = list(groups)
+    out = ["", "## Where the rules can differ (band counts)", "",
+           "Every logged off-policy decision of both labels' runs, judged under both rules: only decisions in the "
+           "band between the two bounds can make the runs differ (`gapo-compare band`)."]
+    for i, a in enumerate(labels):
+        for b in labels[i + 1:]:
+            out += ["", f"### {md_cell(a)} vs {md_cell(b)}", ""]
+            if a in why or b in why:
+                out.append(f"No band count: {why.get(a) or why.get(b)}")
+                continue
+            bands = band.count([r.path for r in groups[a] + groups[b]], rules[a], rules[b])
+            out += band.table(bands, rules[a], rules[b])
+    return out
+
+
+def fig_clip_vs_c(groups: dict[str, list[Run]], window: Window) -> Figure | None:
+    per_label = {lab: [clip_totals(r, window) for r in runs] for lab, runs in groups.items()}
+    cs = sorted({c for ts in per_label.values() for t in ts for c in t})
+    if not cs:
+        return None
+    fig = Figure(figsize=(max(7.0, 1.1 * len(cs) + 3), 4.8), layout="constrained")
+    ax = fig.subplots()
+    for i, (lab, ts) in enumerate(per_label.items()):
+        x, m, lo, hi, single = [], [], [], [], []
+        for c in cs:
+            got = [t[c] for t in ts if c in t]
+            if not got:
+                continue
+            e = ProportionEstimate(tuple(g.frac for g in got), counts=tuple((g.clipped, g.units) for g in got))
+            xc = c + 0.06 * (i - (len(per_label) - 1) / 2)  # side by side, not on top of each other
+            if e.n == 1:  # one seed: no spread between seeds; a hollow mark, not a point with an interval
+                single.append((xc, e.centre))
+                continue
+            a, b = e.interval()
+            x.append(xc)
+            m.append(e.centre)  # inside [a, b] and within [0, 1] by construction: no bar to clip
+            lo.append(e.centre - a)
+            hi.append(b - e.centre)
+        style = run_style(i)
+        ax.errorbar(x, m, yerr=[lo, hi], capsize=3, linewidth=1.7, label=lab, **style)
+        for xc, yc in single:
+            ax.plot([xc], [yc], marker="o", markerfacecolor="none", markeredgecolor=style["color"], linestyle="none")
+            ax.annotate("n=1", (xc, yc), textcoords="offset points", xytext=(3, 4), fontsize=7, color=style["color"])
+    ax.set_xticks(cs)
+    ax.set_xlim(cs[0] - 0.5, cs[-1] + 0.5)
+    ax.set_xlabel("c (correct rollouts in the group)")
+    ax.set_ylabel("clip fraction (clipped / decisions, all seeds)")
+    ax.set_ylim(0, 1.02)
+    ax.set_title(f"off-policy updates, {window_text(window)}", fontsize=10)
+    return finish(fig, _legend_runs(groups), f"Clip fraction of correct rollouts against c (paper Fig. 3)\n"
+                   f"(pooled over seeds; {LEVEL:.0%} CI: hull of Clopper–Pearson and seed-clustered logit-t; "
+                   f"hollow: one seed)",
+                   step_axis=False)
+
+
+def build_figures(groups: dict[str, list[Run]], window: Window = ALL_STEPS,
+                  smooth: int = 1) -> dict[str, Figure | None]:
+    all_runs = [r for runs in groups.values() for r in runs]
+    cs = sorted({int(k.split("/c")[1]) for r in all_runs for k in r.series if re.match(r"^clip_frac/c\d+$", k)})
+    ratio_cs = sorted({int(k.split("/c")[1]) for r in all_runs for k in r.series if re.match(r"^is_ratio/c\d+$", k)})
+    benches = _bench_order({m.group(1) for r in all_runs for k in r.series if (m := _VAL_PASS1.match(k))})
+    cover = _bench_order({m.group(1) for r in all_runs for k in r.series if (m := _VAL_COVERAGE.match(k))})
+    figs: dict[str, Figure | None] = {
+        "clip_by_c.png": _panels(groups, [(f"clip_frac/c{c}", f"c = {c}") for c in cs] or [("clip_frac/c1", "c = 1")],
+                                 "Clip fraction of correct rollouts by c, off-policy updates (paper Fig. 3)", smooth,
+                                 max_cols=4, sharey=True),
+        "clip_vs_c.png": fig_clip_vs_c(groups, window),
+        "is_ratio_by_c.png": _panels(groups, [(f"is_ratio/c{c}", f"c = {c}") for c in ratio_cs],
+                                     "IS ratio of correct rollouts by c, off-policy updates (paper Fig. 1)", smooth,
+                                     max_cols=4, sharey=True) if ratio_cs else None,
+        "is_adv_corr.png": _panels(groups, [("is_adv_corr", "over rollouts with A ≠ 0, off-policy updates")],
+                                   "IS ratio – advantage correlation (paper Fig. 5)", smooth),
+        "val_pass.png": _panels(groups, [(f"val/{b}/pass@1", f"{b} pass@1") for b in benches],
+                                "Validation pass@1 (paper Fig. 4)", 1) if benches else None,
+        "coverage.png": _panels(groups, [(f"val/{b}/coverage", b) for b in cover],
+                                "Problem coverage: problems with solve rate above the threshold (paper Fig. 8)",
+                                1) if cover else None,
+        "training.png": _panels(groups, list(TRAINING_PANELS), "Training curves", smooth, max_cols=2),
+    }
+    return figs
+
+
+# -------------------------------------------------------------------------------------------------- report
+
+
+def write_report(out: Path, groups: dict[str, list[Run]], window: Window = ALL_STEPS, val_step: int | None = None,
+                 smooth: int = 1) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    notes: list[str] = []
+    benches, val_est = validation_estimates(groups, val_step, notes)
+    metrics, train_est = training_estimates(groups, window)
+    lines = ["# gapo-compare", "",
+             f"Estimands. pass@1 shows its centre over a label's seeds, the back-transformed mean logit (a typical "
+             f"seed), and a {LEVEL:.0%} interval [low, high], Student-t on the logit scale (df = seeds − 1) mapped "
+             "back into [0, 1]; seeds that all agree show their value and a zero-width interval. A clip fraction "
+             "(per c, and overall) is the pooled fraction, clipped over decisions summed over seeds (decision-"
+             "weighted), with the hull of a Clopper–Pearson interval on the pooled counts and a seed-clustered "
+             "Student-t interval on the logit scale. Other metrics show mean ± the Student-t half-width, as in the "
+             "paper's Table 6. n is the number of seeds with a value. Δ is the mean over seeds both labels ran of "
+             "first − second, paired by trainer.seed (same-seed runs share prompt order, sampling and evaluation "
+             "seeds), with its Student-t interval and paired t-test p: * p < 0.05, ** p < 0.01, *** p < 0.001 "
+             "(no multiplicity correction in these tables; the interaction table names its own). Where a test is "
+             "undefined the cell says why.", "", "## Runs", "", "| label | seeds | trainer.seed | run directories |",
+             "|---|---|---|---|"]
+    lines += [f"| {md_cell(lab)} | {len(runs)} | {', '.join(str(run_seed(r)) for r in runs)} | "
+              f"{md_cell(', '.join(str(r.path) for r in runs))} |" for lab, runs in groups.items()]
+    lines += ["", "## Final validation pass@1, % (Tables 6 and 7)", ""]
+    if benches:
+        steps = sorted({final_validation(r, val_step)[0] for runs in groups.values() for r in runs})
+        lines += [f"At step {', '.join(map(str, steps))} (each run's {'' if val_step is None else 'chosen '}"
+                  "validation; `mean` is the average over the in-domain benchmarks).", ""]
+        lines += tables(benches, val_est, percent=True)
+    else:
+        lines.append("No run logged validation (`val/<benchmark>/pass@1`; set `trainer.eval_every`).")
+    lines += ["", f"## Training metrics, {window_text(window)}", "",
+              "`clip_frac/c{c}`: clip fraction of correct rollouts of groups with c correct over the off-policy "
+              "updates, per seed from the window's summed counts (`clip_hi/c{c}` / `clip_units/c{c}`); the other "
+              "metrics are each seed's mean over the window's logged steps. n is the number of seeds with a value.",
+              ""]
+    lines += tables(metrics, train_est, percent=False) if metrics else ["No training metrics in the window."]
+    lines += band_tables(groups)
+    lines += interaction_table(groups, window)
+    lines += pooled_clip_table(groups, window)
+    if notes:
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
+    figures = build_figures(groups, window, smooth)
+    lines += ["", "## Figures", ""]
+    for name, fig in figures.items():
+        if fig is None:
+            (out / name).unlink(missing_ok=True)
+            continue
+        fig.savefig(out / name, dpi=110)
+        lines += [f"![{name}]({name})", ""]
+    path = out / "compare.md"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`gapo-compare seeds`'s arguments (gapo.study.compare holds the command line)."""
+    p.add_argument("groups", nargs="+", metavar="LABEL=RUN_DIR,RUN_DIR,...",
+                   help="a label and its seeds' run directories (two or more); list your method first: Δ is "
+                        "earlier label minus later label")
+    p.add_argument("--out", required=True, type=Path, help="directory for compare.md and the figures")
+    add_figure_options(p, "moving average over N logged steps of each seed's per-step curves",
+                       "window of the training metrics")
+    p.add_argument("--val-step", type=int, metavar="N",
+                   help="compare validation at step N instead of each run's last validation")
+
+
+def run(args: argparse.Namespace) -> int:
+    """`gapo-compare seeds`: compare.md and its figures; 2 with a message when the runs cannot be compared."""
+    try:
+        smooth, window = figure_options(args)
+        groups = load_groups(args.groups)
+        path = write_report(args.out, groups, window, args.val_step, smooth)
+    except PlotError as e:
+        print(f"gapo-compare: error: {e}", file=sys.stderr)
+        return 2
+    print(f"gapo-compare: wrote {path} and its figures to {args.out}")
+    return 0

@@ -1,0 +1,183 @@
+"""The sweep's graph (gapo.study.manifest.graph) as SLURM job arrays and the script that submits them.
+
+Training tasks with nothing to wait for form one array (the runs); those that wait for a parent form a second
+(the branches), each task submitted alone with its dependency; the evaluations form a third. The manifest's
+`slurm:` block (gapo-sweep's --partition, --time, ... over it) says what each array asks SLURM for.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+from gapo.config import ConfigError
+from gapo.study.manifest import Manifest, SlurmSpec, Task, local_command
+
+LOGS = "logs"  # in the slurm folder: every job's output, <job name>-<array job id>_<task>.out, appended to on requeue
+
+
+def render(m: Manifest, tasks: list[Task], out_dir: Path, workdir: Path) -> list[Path]:
+    """The job-array scripts and submit.sh, which submits them from any folder: a task that depends on others
+    waits for theirs (afterok: <array job>_<task>). A graph of evaluations alone gives the evaluation array and
+    submit_eval.sh instead, so that the sweep's submit.sh stays. Paths in the commands are relative to `workdir`,
+    which every job starts in (--chdir)."""
+    workdir = workdir.resolve()
+    out_dir = (workdir / out_dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    runs = [t for t in tasks if t.kind == "train" and not t.depends_on]
+    branches = [t for t in tasks if t.kind == "train" and t.depends_on]
+    evals = [t for t in tasks if t.kind == "eval"]
+    if not evals:
+        raise ConfigError(f"{m.name}: no run has a checkpoint of its own in eval.steps: nothing to evaluate")
+    ev = _eval_script(m, evals, out_dir / f"{m.name}.eval.sbatch", workdir)
+    if not runs and not branches:
+        waiting = [t.name for t in evals if t.depends_on]
+        if waiting:
+            raise ConfigError(f"slurm: {', '.join(waiting)} wait for training the graph does not hold")
+        lines = _submit_head(m, out_dir, "the evaluation array (checkpoints evaluated already are skipped)")
+        lines += [f"EVAL=$(submit {shlex.quote(str(ev))})"]
+        lines += [f'echo "gapo-sweep: {t.name}: job ${{EVAL}}_{k}"' for k, t in enumerate(evals)]
+        return [ev, _write_submit(out_dir / "submit_eval.sh", lines, out_dir)]
+
+    written = [_train_script(m, runs, out_dir / f"{m.name}.runs.sbatch", workdir, "runs")]
+    if branches:
+        written.append(_train_script(m, branches, out_dir / f"{m.name}.branches.sbatch", workdir, "branches"))
+    written.append(ev)
+    job_of = {t.name: f"${{RUNS}}_{i}" for i, t in enumerate(runs)}  # each task's <array job>_<task>
+
+    def after(t: Task) -> str:
+        missing = [d for d in t.depends_on if d not in job_of]
+        if missing:
+            raise ConfigError(f"slurm: {t.name} waits for {', '.join(missing)}, not submitted before it")
+        return ":".join(job_of[d] for d in t.depends_on)
+
+    lines = _submit_head(m, out_dir, "the runs, each branch after its parent's task, each evaluation after its run")
+    lines += [f"RUNS=$(submit {shlex.quote(str(written[0]))})"]
+    lines += [f'echo "gapo-sweep: {t.name}: job ${{RUNS}}_{i}"' for i, t in enumerate(runs)]
+    for i, t in enumerate(branches):
+        lines += [f"B{i}=$(submit --array={i} --job-name={m.name}-{t.job.run.name}-seed{t.job.seed} "
+                  f"--dependency=afterok:{after(t)} {shlex.quote(str(written[1]))})",
+                  f'echo "gapo-sweep: {t.name}: job ${{B{i}}}_{i}, after {after(t)}"']
+        job_of[t.name] = f"${{B{i}}}_{i}"
+    for k, t in enumerate(evals):
+        wait = f" --dependency=afterok:{after(t)}" if t.depends_on else ""
+        lines += [f"E{k}=$(submit --array={k}{wait} {shlex.quote(str(ev))})",
+                  f'echo "gapo-sweep: {t.name}: job ${{E{k}}}_{k}"']
+    return [*written, _write_submit(out_dir / "submit.sh", lines, out_dir)]
+
+
+def _submit_head(m: Manifest, out_dir: Path, what: str) -> list[str]:
+    return ["#!/bin/bash", f"# Submits {m.name}: {what}. Runs from any folder (the paths are absolute).",
+            "set -euo pipefail", f"mkdir -p {shlex.quote(str(out_dir / LOGS))}  # SLURM opens each log there",
+            "submit() { local out; out=$(sbatch --parsable \"$@\"); echo \"${out%%;*}\"; }  # the job id"]
+
+
+def _write_submit(path: Path, lines: list[str], out_dir: Path) -> Path:
+    path.write_text("\n".join([*lines, f'echo "gapo-sweep: logs in {out_dir / LOGS}/"']) + "\n")
+    return path
+
+
+def _directives(spec: SlurmSpec, stage: list[Task], *, name: str, time: str | None, signal: str, workdir: Path,
+                logs: Path) -> str:
+    """The #SBATCH lines every script shares: one array task per task of `stage`, all asking for what its first
+    asks (an array's tasks are alike). --chdir and an absolute --output make the script independent of the folder
+    it is submitted from; --open-mode=append keeps the earlier attempts' lines in a requeued task's log."""
+    res = stage[0].resources
+    gpus = res.nproc if spec.gpus_per_node is None else spec.gpus_per_node
+    cpus = spec.cpus_per_task or 4 * res.nproc
+    opts = [f"--job-name={name}", f"--array=0-{len(stage) - 1}", f"--nodes={res.nodes}", "--ntasks-per-node=1",
+            *([f"--gpus-per-node={gpus}"] if gpus else []), f"--cpus-per-task={cpus}",
+            *(f"--{flag}={value}" for flag, value in [("time", time), ("partition", spec.partition),
+                                                      ("account", spec.account), ("qos", spec.qos),
+                                                      ("constraint", spec.constraint), ("mem", spec.mem)] if value),
+            "--requeue", f"--signal={signal}", f"--chdir={workdir}", f"--output={logs}/%x-%A_%a.out",
+            "--open-mode=append"]
+    return "\n".join(f"#SBATCH {o}" for o in opts)
+
+
+def _bash_array(name: str, items: list[str]) -> str:
+    return f"{name}=(\n" + "\n".join(f"  {shlex.quote(x)}" for x in items) + "\n)"
+
+
+def _train_script(m: Manifest, stage: list[Task], path: Path, workdir: Path, kind: str) -> Path:
+    """A job-array script, one task per run x seed of `stage`. It launches gapo-train under torchrun itself (not
+    the task's argv), to resume a requeued task from its own newest checkpoint or a branch from its parent's."""
+    spec, python = m.slurm, shlex.quote(sys.executable)
+    js, nproc = [t.job for t in stage], stage[0].resources.nproc
+    path.write_text(f"""#!/bin/bash
+# {m.title} ({m.produces}): {kind}, one array task per run x seed. Submitted by submit.sh (next to this file);
+# see the README, "Running on a cluster". Signals: at a preemption SLURM sends SIGTERM (SIGKILL after the
+# partition's GraceTime); --signal=USR1@N sends SIGUSR1 N seconds before the time limit. Either way each rank
+# finishes (or abandons) its step, saves and exits 75; the task then requeues itself and starts again from its
+# newest checkpoint (--resume auto). --requeue brings it back after a node failure too.
+{_directives(spec, stage, name=f"{m.name}-{kind}", time=spec.time, signal=f"USR1@{spec.signal_lead_s}",
+             workdir=workdir, logs=path.parent / LOGS)}
+set -euo pipefail
+PY=${{GAPO_PYTHON:-{python}}}
+# Each task's gapo-train arguments (torchrun sets the ranks: no --nproc), its output and a branch's parent checkpoint.
+{_bash_array("ARGS", [shlex.join(["--config", j.config, *j.args]) for j in js])}
+{_bash_array("OUTS", [str(j.out) for j in js])}
+{_bash_array("FROM", [str(j.resume or "") for j in js])}
+i=$SLURM_ARRAY_TASK_ID
+OUT=${{OUTS[$i]}}
+echo "gapo-sweep: task $i: $OUT, start $((${{SLURM_RESTART_COUNT:-0}} + 1)) on $(hostname) at $(date -Is)"
+RESUME=(--resume auto)  # its own newest checkpoint that verifies, or a fresh start
+if [ -n "${{FROM[$i]}}" ] && [ ! -f "$OUT/checkpoints/latest" ]; then
+  # A branch with no checkpoint of its own starts from its parent's; one stopped before its first save (a
+  # requeue) starts over, as --resume auto does for a run that is no branch.
+  if [ -e "$OUT/metrics.jsonl" ] || [ -e "$OUT/checkpoints" ]; then
+    echo "gapo-sweep: $OUT holds no checkpoint of its own (stopped before its first save): starting over"
+    rm -rf "$OUT/checkpoints" "$OUT/metrics.jsonl" "$OUT/rollouts.jsonl"
+  fi
+  RESUME=(--resume "${{FROM[$i]}}")
+fi
+eval "set -- ${{ARGS[$i]}}"
+HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+# torchrun's rendezvous on a port free on this node (the batch script runs on the job's first node, HEAD), so
+# that two jobs sharing a node never meet.
+PORT=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')
+# The signals are the ranks' (gapo.launch hands them on); this shell only waits for the save.
+trap 'echo "gapo-sweep: SIGTERM at $(date -Is): the ranks save"' TERM
+trap 'echo "gapo-sweep: SIGUSR1 at $(date -Is): the ranks save"' USR1
+code=0
+# srun does not inherit --cpus-per-task from sbatch (SLURM >= 22.05): give it, or every rank shares one CPU.
+srun --cpus-per-task="$SLURM_CPUS_PER_TASK" "$PY" -m gapo.launch --nnodes "$SLURM_NNODES" \\
+  --nproc_per_node {nproc} --rdzv_backend c10d --rdzv_endpoint "$HEAD:$PORT" -m gapo.cli "$@" "${{RESUME[@]}}" \\
+  || code=$?
+if [ "$code" -eq 75 ]; then  # saved after a signal: again, later, from that checkpoint
+  echo "gapo-sweep: saved after a signal (exit 75) at $(date -Is): requeued"
+  scontrol requeue "$SLURM_JOB_ID"
+fi
+echo "gapo-sweep: exit $code at $(date -Is)"
+exit "$code"
+""")
+    return path
+
+
+def _eval_script(m: Manifest, stage: list[Task], path: Path, workdir: Path) -> Path:
+    """A job-array script, one task per evaluation (a run's checkpoints, or the base model)."""
+    spec = m.slurm
+    path.write_text(f"""#!/bin/bash
+# {m.title} ({m.produces}): the evaluation, one array task per run (its kept checkpoints under the manifest's
+# protocol) and the base model when the manifest asks. gapo-eval skips a checkpoint whose results.json exists
+# (written last, by rename), so a task requeued at a preemption or near its time limit (SIGUSR1 to this shell,
+# --signal=B:USR1@{spec.signal_lead_s}) goes on with the checkpoints left.
+{_directives(spec, stage, name=f"{m.name}-eval", time=spec.eval_time, signal=f"B:USR1@{spec.signal_lead_s}",
+             workdir=workdir, logs=path.parent / LOGS)}
+set -euo pipefail
+{_bash_array("CMDS", [shlex.join(local_command(list(t.argv))) for t in stage])}
+{_bash_array("NAMES", [t.name for t in stage])}
+i=$SLURM_ARRAY_TASK_ID
+echo "gapo-sweep: task $i: ${{NAMES[$i]}}, start $((${{SLURM_RESTART_COUNT:-0}} + 1))" \
+  "on $(hostname) at $(date -Is)"
+eval "set -- ${{CMDS[$i]}}"
+trap 'echo "gapo-sweep: SIGUSR1 at $(date -Is), the time limit is near: requeued"
+      scontrol requeue "$SLURM_JOB_ID"' USR1
+code=0
+srun --cpus-per-task="$SLURM_CPUS_PER_TASK" "$@" &
+wait $! || code=$?
+echo "gapo-sweep: exit $code at $(date -Is)"
+exit "$code"
+""")
+    return path
