@@ -63,6 +63,9 @@ def wandb_history(run: Path) -> list[dict]:
 # GAPO with a wide adaptive range (eps_hi from 5e-2 at c = 1 down to 3e-3), so that the second mini-batch's
 # IS ratios land between its bounds and GSPO's fixed 3e-3.
 WIDE = ["algorithm.eps_lo=3e-3", "algorithm.eps_hi_max=5e-2", "trainer.log_rollouts=true"]
+# tiny_cpu starts vLLM uncompiled (eager); these runs take the default compile path (CPU: torch.compile with
+# inductor's cache), so that a weight push into a compiled model stays proven (logprob_mismatch after step 1).
+COMPILED = "rollout.compile=auto"
 
 
 # One set of tiny runs, each asserted many ways (issue 46: one gapo-train start costs ~20 s on 2 cores):
@@ -73,21 +76,34 @@ WIDE = ["algorithm.eps_lo=3e-3", "algorithm.eps_hi_max=5e-2", "trainer.log_rollo
 # - neutral: gapo's command line plus a rollout correction that changes nothing: equal to gapo to the bit, which
 #   also proves that one config gives the same metrics in two processes (test_a_neutral_correction_...).
 NEUTRAL = ["algorithm.rollout_correction.mode=reject", "algorithm.rollout_correction.kl_max=1e9"]
+RUNS = {"gapo": ([*WIDE, COMPILED], 1), "gapo_2ranks": ([*WIDE, COMPILED, "rollout.filter_uniform_groups=true"], 2),
+        "gspo": (["algorithm.name=gspo", "trainer.log_rollouts=true", COMPILED], 1),
+        "neutral": ([*WIDE, COMPILED, *NEUTRAL], 1)}
+
+
+class Runs(dict):
+    """name -> its run folder, trained the first time a test asks for it: the fast tier's smoke test asks for gapo
+    alone, so `make test` starts one gapo-train instead of four."""
+
+    def __init__(self, once):
+        super().__init__()
+        self.once = once
+
+    def __missing__(self, name: str) -> Path:
+        def train(folder: Path) -> Path:
+            args, nproc = RUNS[name]
+            r = gapo_train(folder / "run", *args, nproc=nproc)
+            (folder / "train.log").write_text(r.stderr)
+            errors = "\n".join(line for line in r.stderr.splitlines() if "Error" in line or 'File "' in line)
+            assert r.returncode == 0, f"{name} failed (log: {folder / 'train.log'}):\n{errors[-6000:]}"
+            return folder / "run"
+
+        return self.once(f"test_engine {name} run", train)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    base = tmp_path_factory.mktemp("runs")
-    out = {}
-    for name, args, nproc in [("gapo", WIDE, 1), ("gapo_2ranks", [*WIDE, "rollout.filter_uniform_groups=true"], 2),
-                              ("gspo", ["algorithm.name=gspo", "trainer.log_rollouts=true"], 1),
-                              ("neutral", [*WIDE, *NEUTRAL], 1)]:
-        r = gapo_train(base / name, *args, nproc=nproc)
-        (base / f"{name}.log").write_text(r.stderr)
-        errors = "\n".join(line for line in r.stderr.splitlines() if "Error" in line or 'File "' in line)
-        assert r.returncode == 0, f"{name} failed (log: {base / name}.log):\n{errors[-6000:]}"
-        out[name] = base / name
-    return out
+def runs(once) -> Runs:
+    return Runs(once)
 
 
 EXPECTED_KEYS = {"reward/mean", "reward/correct_frac", "reward/timeout_frac", "reward/error_frac",
@@ -99,7 +115,7 @@ EXPECTED_KEYS = {"reward/mean", "reward/correct_frac", "reward/timeout_frac", "r
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("name", ["gapo", "gapo_2ranks"])
+@pytest.mark.parametrize("name", [pytest.param("gapo", marks=pytest.mark.smoke), "gapo_2ranks"])
 def test_run_writes_metrics_config_and_wandb(runs, name):
     run = runs[name]
     rows = metrics(run)

@@ -361,7 +361,7 @@ def gapo_train(out: Path, nproc: int, dtype: str, *overrides: str) -> tuple[str,
     shutil.rmtree(run, ignore_errors=True)  # a previous check's run there would be resumed, its metrics appended to
     cmd = [sys.executable, "-m", "gapo.cli", "--config", "configs/tiny_cpu.yaml", "--nproc", str(nproc),
            f"trainer.output_dir={run}", f"model.dtype={dtype}", "trainer.total_steps=2", "tracking.mode=disabled",
-           *overrides]
+           "rollout.compile=auto", *overrides]  # vLLM's own compile path, as users get it (tiny_cpu is eager)
     # This process is a world of one already (RANK, MASTER_PORT, ... set): the child must start its own.
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
