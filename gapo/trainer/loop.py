@@ -157,25 +157,25 @@ def setup(cfg: Config, rank: int, world: int, remote: split.RemoteEngine | None)
     # theirs (serve_rollouts) once this rank's leader has told them the run's directory, while the actor loads here.
     max_model_len = max(d.max_prompt_tokens + max(r.max_new_tokens, ev.max_new_tokens),
                         context_length(benches, tokenizer, ev.instruction, ev.max_new_tokens, positions))
-    if remote is not None:
-        engine = remote
+    if remote is not None:  # its generator builds the engine meanwhile (and is stopped with this rank, if it fails)
         remote.hello(model_dir, str(run_dir), max_model_len)
-    else:
-        engine = engine_of(cfg, model_dir, max_model_len, seed=t.seed + rank)
+    # Rollouts sampled ahead of the checkpoint: only the same placement, ranks and staleness train on them. Checked
+    # before this rank's engine and actor load, so that a wrong resume fails in seconds.
     resharding = start.state is not None and start.state.world_size != world
-    if start.state is not None and start.state.in_flight and (resharding or cfg.rollout.placement != "split"):
-        raise ConfigError(f"{start.ckpt} holds the rollouts of steps {start.state.in_flight}, sampled ahead "
-                          f"(rollout.max_staleness) on {start.state.world_size} training ranks: resume it with "
-                          "rollout.placement=split on as many training ranks")
+    in_flight: dict[int, Request] = {}
+    if start.state is not None and start.state.in_flight:
+        if resharding or r.placement != "split":
+            raise ConfigError(f"{start.ckpt} holds the rollouts of steps {start.state.in_flight}, sampled ahead "
+                              f"(rollout.max_staleness) on {start.state.world_size} training ranks: resume it with "
+                              "rollout.placement=split on as many training ranks")
+        in_flight = load_in_flight(start.ckpt, rank, r.max_staleness)
+    engine = remote if remote is not None else engine_of(cfg, model_dir, max_model_len, seed=t.seed + rank)
     actor = Actor(cfg, model_dir, load_universal=resharding)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     probe = sync.Probe.of(tokenizer, cfg, pad_id)
-    in_flight: dict[int, Request] = {}
-    if start.ckpt is not None:  # model, optimizer, scheduler, this rank's RNG states (and rollouts sampled ahead)
+    if start.ckpt is not None:  # model, optimizer, scheduler, this rank's RNG states
         checkpoint.load(actor, start.ckpt, start.state.world_size, run_dir)
         sampler.load_state_dict(start.state.sampler)
-        if start.state.in_flight:
-            in_flight = load_in_flight(start.ckpt, rank, r.max_staleness)
         sync.push(engine, actor, start.state.step, probe if r.verify_push != "off" else None)
 
     tracker = None
