@@ -1,10 +1,11 @@
 """Run under torchrun by test_engine.py: a model whose EOS is <|endoftext|> (a base model's generation config)
 but whose chat turns end with <|im_end|>. Writes the response token ids sampled by vLLM with and without
-the stop tokens that gapo derives from the chat template."""
+the stop tokens that gapo derives from the chat template, and how many frames torch.compile saw meanwhile."""
 
 import json
 import sys
 
+from torch._dynamo.utils import counters
 from transformers import AutoTokenizer
 
 from gapo.config import MATH_INSTRUCTION
@@ -25,6 +26,7 @@ def main(out_path: str, model_dir: str) -> None:
         groups = engine.generate(prompts, SamplingConfig(n=4, temperature=1.0, top_p=1.0, max_new_tokens=40,
                                                          stop_token_ids=stops), seeds=[1, 2, 3, 4])
         out[name] = [[x.response_ids, x.text] for g in groups for x in g]
+    out["frames_compiled"] = counters["frames"]["total"]  # compile="eager": none, vLLM's sampler included
     with open(f"{out_path}.0", "w") as f:
         json.dump(out, f)
 

@@ -17,6 +17,7 @@ every CPU test ran V1; pinned, the GPU runs the runner the tests verified.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 from collections.abc import Iterable
@@ -98,6 +99,7 @@ class VLLMEngine:
 
         self.sleep_mode = sleep_mode
         self.asleep = False
+        self.eager = compile == "eager"
         # On CPU the KV cache otherwise takes gpu_memory_utilization x the node's RAM, per rank.
         kv = {"kv_cache_memory_bytes": int(kv_cache_gb * 2**30)} if kv_cache_gb else {}
         # vLLM rewinds a seeded request's generator after a partial (chunked) prefill, which a CPU
@@ -135,7 +137,10 @@ class VLLMEngine:
         params = [SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
                                  max_tokens=sampling.max_new_tokens, seed=s, logprobs=0,
                                  stop_token_ids=list(sampling.stop_token_ids)) for s in seeds]
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        # enforce_eager leaves one torch.compile in vLLM: the sampler's rank count for logprobs (v1/sample/ops/
+        # logprobs.py), ~2.7 s at a CPU process's first generate (docs/PERFORMANCE.md §13). Eager compiles nothing.
+        with torch.compiler.set_stance("force_eager") if self.eager else contextlib.nullcontext():
+            outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         groups = []
         for prompt, out in zip(prompts, outputs, strict=True):
             group = []
