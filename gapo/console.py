@@ -1,4 +1,4 @@
-"""What `gapo-train` shows a person, and train.log for everything else.
+"""What `gapo-train` and `gapo-eval` show a person, and a log file for everything else.
 
 A training process hosts vLLM, DeepSpeed, transformers, torch and wandb, and they all talk: through Python
 loggers, warnings, print(), and C/C++ code that writes straight to file descriptors 1 and 2, also from
@@ -8,7 +8,8 @@ keeps a duplicate of the real stderr, the console, for the lines a person reads:
 progress bar, one aligned line per step, validation results, gapo's own warnings, errors (a traceback in
 full) and where the outputs are. The log is a temporary file until the run directory is known (a branch
 from a checkpoint names its own), then `attach()` moves it to <run_dir>/train.log. Without `capture()`
-(`gapo-train --verbose`) everything stays on the console, as it comes.
+(`gapo-train --verbose`) everything stays on the console, as it comes. gapo-eval captures the same way; its
+tables still go to the real stdout (`result()`), where a user may pipe them.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from gapo.config import Config
 from gapo.rundir import TRAIN_LOG
 
 _console: TextIO | None = None  # the real stderr while fds 1 and 2 go to the log
+_stdout: TextIO | None = None  # the real stdout meanwhile
 _log: Path | None = None  # where fds 1 and 2 go now
 _attached = False  # the log is <run_dir>/train.log (else a temporary file)
 _failed = False  # an uncaught exception pointed the user at the log: keep it
@@ -46,6 +48,13 @@ def say(line: str) -> None:
         print(line, flush=True)
 
 
+def result(text: str) -> None:
+    """Output a user may pipe or parse (gapo-eval's tables): the real stdout; the log gets it too."""
+    print(text, file=_stdout or sys.stdout, flush=True)
+    if _stdout is not None:
+        print(text, flush=True)
+
+
 def error(text: str) -> None:
     """An error message: on the console (below the progress bar, which stops there), and in train.log."""
     for bar in list(getattr(tqdm, "_instances", ())):
@@ -58,10 +67,11 @@ def error(text: str) -> None:
 def capture(show_warnings: bool = True) -> Path:
     """From now on fds 1 and 2 of this process (and of the processes it starts) write to a log; returns its
     path. `show_warnings`: gapo's own warnings still reach the console (one rank is enough)."""
-    global _console, _log
+    global _console, _stdout, _log
     sys.stdout.flush()
     sys.stderr.flush()
     _console = os.fdopen(os.dup(2), "w", buffering=1)
+    _stdout = os.fdopen(os.dup(1), "w", buffering=1)
     fd, path = tempfile.mkstemp(prefix="gapo-train-", suffix=".log")
     _redirect(fd)
     _log = Path(path)
@@ -74,20 +84,21 @@ def capture(show_warnings: bool = True) -> Path:
     return _log
 
 
-def attach(run_dir: Path) -> None:
-    """Move the log to run_dir/train.log, appending (a resumed run goes on with its log); a no-op without
+def attach(run_dir: Path, name: str = TRAIN_LOG) -> Path | None:
+    """Move the log to run_dir/name, appending (a resumed run goes on with its log); a no-op without
     `capture()`. Before the engine starts, so that its processes inherit the final fds."""
     global _log, _attached
     if _console is None or _attached:
-        return
+        return _log
     run_dir.mkdir(parents=True, exist_ok=True)
-    target = run_dir / TRAIN_LOG
+    target = run_dir / name
     _redirect(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644))
     early = _log.read_bytes()  # what the imports and the set-up wrote so far; one write, so ranks do not mix
     with open(target, "ab") as f:
         f.write(early)
     _log.unlink()
     _log, _attached = target, True
+    return _log
 
 
 def run_header(cfg: Config, run_dir: Path, world: int) -> str:

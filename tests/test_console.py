@@ -1,4 +1,5 @@
-"""The console of gapo-train: library output and raw fd writes go to train.log, a person's lines to the console."""
+"""The console of gapo-train and gapo-eval: library output and raw fd writes go to a log, a person's lines to the
+console, results to stdout."""
 
 import os
 import subprocess
@@ -36,6 +37,7 @@ SCRIPT = textwrap.dedent("""
     for step in tqdm(range(1, 4), desc="steps", total=3, file=console.terminal(), mininterval=0):
         time.sleep(0.01)
         console.say(f"step {step}/3 STEP-LINE")
+    console.result("RESULT-TABLE")
     if fail:
         raise RuntimeError("BOOM")
 """)
@@ -72,8 +74,9 @@ def test_library_output_goes_to_train_log_and_the_console_keeps_the_run(tmp_path
     for word in CHATTER:
         assert word not in console, (word, console)
     log = (run_dir / "train.log").read_text()
-    for word in [*CHATTER, "GAPO-WARNS", "STEP-LINE"]:
+    for word in [*CHATTER, "GAPO-WARNS", "STEP-LINE", "RESULT-TABLE"]:
         assert word in log, (word, log)
+    assert r.stdout == "RESULT-TABLE\n"  # a result (gapo-eval's tables) on the real stdout, where it can be piped
     assert not Path(where.read_text()).exists()  # the temporary log moved into the run directory
     # gapo's own warnings and the step lines reach the console, each on a line of its own above the bar
     screen = _screen(r.stderr)
@@ -87,6 +90,7 @@ def test_verbose_keeps_everything_on_the_console(tmp_path):
     assert r.returncode == 0, r.stderr
     for word in [*CHATTER, "STEP-LINE"]:
         assert word in r.stdout + r.stderr, word
+    assert "RESULT-TABLE" in r.stdout
     assert not (run_dir / "train.log").exists()
 
 

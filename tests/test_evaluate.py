@@ -92,6 +92,10 @@ def test_gapo_eval_end_to_end_on_two_benchmark_files(tmp_path, small_sums, share
     assert "pass@8" in r.stdout and "sums" in r.stdout and "mean (no ifeval)" in r.stdout
     assert "ifeval: prompt-level strict" in r.stdout
     assert "sums: 2 record(s) left out, not scored: empty answer 1, no answer 1" in r.stdout
+    # the console is gapo's (papercut 8): vLLM's and DeepSpeed's INFO lines are in the log it names
+    log = out.with_name(f"{out.name}.log")
+    assert f"gapo-eval: library output in {log}" in r.stderr and "INFO" not in r.stderr, r.stderr
+    assert "INFO" in log.read_text() and "pass@8" in log.read_text()
     assert json.loads((out / "results.json").read_text())["dropped"]["sums"] == {"empty answer": 1, "no answer": 1}
     res = json.loads((out / "results.json").read_text())["metrics"]
     rows = [json.loads(x) for x in (out / "per_problem.jsonl").read_text().splitlines()]
@@ -218,6 +222,7 @@ def test_validation_and_gapo_eval_score_the_same_problems(tmp_path, small_sums):
 
     validated = problems(run / "val" / "step_000001")
     assert validated == problems(run / "eval" / "custom" / "step_000001")
+    assert (run / "eval" / "custom" / "eval.log").is_file() and "INFO" not in r.stderr, r.stderr
     assert [u for b, u in validated if b == "long"] == [x["id"] for x in rows]
     assert len([u for b, u in validated if b == "arithmetic"]) == 6
 

@@ -426,3 +426,17 @@ def test_status_counts_for_metrics() -> None:
 ])
 def test_escaped_braces_do_not_count_as_the_boxes_braces(response, boxed):
     assert extract_answer(response) == boxed
+
+
+def test_workers_outlive_the_signals_slurm_sends_every_process_of_a_job() -> None:
+    """At a preemption (SIGTERM) or ahead of a time limit (SIGUSR1) SLURM signals the workers too, while the rank
+    finishes its step: an item under way must still be scored, by the same worker."""
+    with MathVerifier(num_workers=1, timeout_s=30.0) as v:
+        v.score(["\\boxed{1}"], "1")
+        pid = v._workers[0].proc.pid
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            threading.Timer(0.2, os.kill, (pid, sig)).start()
+            assert _statuses(v.score(["\\boxed{2}", "\\boxed{3}", "\\boxed{x^2 + 2x + 1}"], "2")) == \
+                ["correct", "wrong", "wrong"]
+            time.sleep(0.3)
+        assert v._workers[0].proc.pid == pid and v._workers[0].proc.poll() is None

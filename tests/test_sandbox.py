@@ -7,11 +7,14 @@ no zombie children of ours) and no file left outside the sandbox.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import signal
 import socket
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -223,6 +226,43 @@ print(json.dumps(report))
 
 
 # --------------------------------------------------------------------------------------------------
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def test_a_run_outlives_the_signals_slurm_sends_every_process_of_a_job() -> None:
+    """At a preemption (SIGTERM) or ahead of a time limit (SIGUSR1) SLURM signals every process of the job while the
+    rank finishes its step: unshare, the harness and the program must go on, or a correct program would fail."""
+    hit: list[int] = []
+
+    def slurm() -> None:
+        time.sleep(1.0)
+        for pid in _descendants(os.getpid()):
+            for sig in (signal.SIGTERM, signal.SIGUSR1):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+            hit.append(pid)
+
+    sender = threading.Thread(target=slurm)
+    sender.start()
+    run = run_contained("import time\ntime.sleep(2.5)\nprint(7)\n", limits=Limits(wall_s=4.0, memory_mb=256))
+    sender.join()
+    assert run.outcomes[0].stdout == "7\n", run.outcomes
+    assert len(hit) >= 2  # unshare (or the harness) and the program were signalled
+
+
 # Attacks on the harness and on the verdict
 # --------------------------------------------------------------------------------------------------
 def test_killing_the_parent_or_this_process_fails(runner: CodeRunner) -> None:

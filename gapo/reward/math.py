@@ -403,7 +403,13 @@ class _Worker:
         package_root = str(Path(__file__).resolve().parents[2])
         env = dict(os.environ)
         env["PYTHONPATH"] = package_root + os.pathsep + env.get("PYTHONPATH", "")
-        code = f"from gapo.reward.math import _worker_main; _worker_main({os.getpid()}, {int(memory_mb)})"
+        # SLURM signals every process of a job at a preemption (SIGTERM) and ahead of its time limit (SIGUSR1): the
+        # rank then finishes its step and saves it, so a worker killed mid-item would turn a `wrong` into an `error`
+        # and the saved step would differ from the uninterrupted run's (seen in the cluster tier). Ignored from the
+        # first line; the parent ends a worker by EOF or SIGKILL, and PR_SET_PDEATHSIG covers a parent that died.
+        code = ("import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                "signal.signal(signal.SIGUSR1, signal.SIG_IGN); "
+                f"from gapo.reward.math import _worker_main; _worker_main({os.getpid()}, {int(memory_mb)})")
         # Own session: a Ctrl-C aimed at the trainer's terminal must not hit the workers mid-item.
         self.proc = subprocess.Popen(
             [sys.executable, "-P", "-c", code],

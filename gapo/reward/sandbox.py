@@ -233,6 +233,11 @@ def _supervise(job_file, workdir: str | None, isolated: bool, n_cases: int, limi
                stop_after: Callable[[int, CaseOutcome], bool] | None) -> tuple[list[CaseOutcome], str | None]:
     harness = [sys.executable, "-I", "-B", os.path.abspath(sandbox_harness.__file__)]
     argv = [shutil.which("unshare") or "unshare", *_UNSHARE_ARGS, "--", *harness] if isolated else harness
+    # SLURM signals every process of a job at a preemption (SIGTERM) and ahead of its time limit (SIGUSR1) while the
+    # rank finishes its step: a program killed by them would fail its tests and score that step differently. The
+    # shell ignores both and execs (same pid); unshare, the harness and the program inherit the ignoring. The
+    # supervisor ends a run with SIGKILL.
+    argv = ["/bin/sh", "-c", 'trap "" TERM USR1; exec "$@"', "sh", *argv]
     proc = subprocess.Popen(
         argv,
         stdin=job_file,

@@ -19,7 +19,7 @@ from typing import NamedTuple, get_args
 import yaml
 from pydantic import ValidationError
 
-from gapo import rundir
+from gapo import console, rundir
 from gapo.config import CompileMode, ConfigError, DataConfig, Dtype, EngineKind, RewardConfig, load_config
 from gapo.evaluation import (
     Bench,
@@ -148,6 +148,10 @@ def parser() -> argparse.ArgumentParser:
                          "validation during training did; else 0")
     ap.add_argument("--workers", type=int, default=2, help="reward worker processes")
     ap.add_argument("--out", default=None, help="directory for results.json and per_problem.jsonl")
+    ap.add_argument("--verbose", action="store_true",
+                    help="show every library's output on the console (by default it goes to a log beside the results: "
+                         "<run>/eval/NAME/eval.log, --out DIR's DIR.log; without --out, a temporary file that a "
+                         "successful evaluation removes)")
     return ap
 
 
@@ -191,6 +195,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"gapo-eval: {err}", file=sys.stderr)
         return 2
+    if not args.verbose:  # vLLM's and DeepSpeed's output to a log, as gapo-train's to train.log
+        console.capture()
+        # Beside the results, which replace their folder whole: --run's steps share one log, --out DIR gets DIR.log.
+        if jobs[0].out is not None:
+            out = jobs[0].out
+            log = console.attach(out.parent, "eval.log" if args.run else f"{out.name}.log")
+            console.say(f"gapo-eval: library output in {log}")
     from gapo.distributed import init_distributed, leave_distributed
     from gapo.rollout.engine import build_engine
 
@@ -203,12 +214,12 @@ def main(argv: list[str] | None = None) -> int:
         results = evaluate(engine, tokenizer, benches[data_key(job)], n=args.n, temperature=args.temperature,
                            top_p=args.top_p, max_new_tokens=args.max_new_tokens, instruction=job.instruction,
                            reward=job.reward, seed=job.seed)
-        print(f"{job.hf}:\n{table(results)}" if args.run else table(results))
+        console.result(f"{job.hf}:\n{table(results)}" if args.run else table(results))
         if job.out is not None:
             write_results(results, job.out, {**vars(args), "seed": job.seed, "instruction": job.instruction,
                                              "model": str(job.hf),
                                              "settings": settings(args, job.seed, job.instruction, job.reward)})
-            print(f"wrote {job.out}/results.json and per_problem.jsonl")
+            console.result(f"wrote {job.out}/results.json and per_problem.jsonl")
     leave_distributed()
     return 0
 

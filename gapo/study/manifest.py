@@ -65,7 +65,7 @@ class EvalSpec(_Strict):
 class CompareSpec(_Strict):
     metrics: list[int] = Field(default_factory=lambda: [1], description="pass@k columns, e.g. [1, 256].")
     against: dict[str, list[str]] = Field(default_factory=dict, description="Table 7: a run -> the runs it is "
-                                                                            "compared with (Welch's t-test).")
+                                                                            "compared with, paired by seed.")
     figures: list[Literal["is_ratio_by_c", "clip_vs_c", "is_adv_corr", "training", "eval_over_steps", "coverage",
                           "vs_group_size",
                           "branch"]] = Field(default_factory=list)
