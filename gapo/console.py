@@ -158,10 +158,20 @@ def _redirect(fd: int) -> None:
     os.close(fd)
 
 
+# What gloo raises on a rank whose peer died: the launcher then names the dead rank and where to resume.
+_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
 def _excepthook(kind, value, tb) -> None:
     global _failed
     _failed = True
-    error("".join(traceback.format_exception(kind, value, tb)).rstrip() + f"\n(the run's full output: {_log})")
+    text = "".join(traceback.format_exception(kind, value, tb)).rstrip()
+    if _console is not None and any(p in str(value) for p in _PEER_GONE):  # a consequence: one line, not 150
+        print(text, file=sys.stderr, flush=True)  # the traceback to the log only
+        error(f"gapo-train: rank {os.environ.get('RANK', '0')} lost another rank ({kind.__name__}: "
+              f"{str(value).splitlines()[0][:160]}); its traceback is in {_log}")
+    else:
+        error(text + f"\n(the run's full output: {_log})")
 
 
 def _discard_unused_log() -> None:

@@ -11,6 +11,7 @@ is torchrun's own (`python -m torch.distributed.run`).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -74,6 +75,9 @@ def main() -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
+    # Its lines on stopping the other ranks and on each failed one: said below in gapo's words, once per rank.
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+
     try:
         torchrun()
     except ChildFailedError as err:
@@ -81,8 +85,8 @@ def main() -> int:
         if code is not None:
             return code
         for rank, f in sorted(err.failures.items()):
-            how = f"killed by {signal.Signals(-f.exitcode).name}" if f.exitcode < 0 else f"exit code {f.exitcode}"
-            print(f"gapo-train: rank {rank} (pid {f.pid}) died: {how}; the other ranks were stopped",
+            how = f"died: killed by {signal.Signals(-f.exitcode).name}" if f.exitcode < 0 else f"exited {f.exitcode}"
+            print(f"gapo-train: rank {rank} (pid {f.pid}) {how}; the other ranks were stopped",
                   file=sys.stderr, flush=True)
         return Exit.FAILED
     return Exit.OK

@@ -550,6 +550,9 @@ def test_a_dead_rank_ends_the_run_at_once_saying_which_and_where_to_resume(tmp_p
     assert time.time() - tic < 60 and proc.returncode not in (0, 75)
     assert f"rank 1 (pid {pids[1]}) died: killed by SIGKILL" in err, err[-3000:]
     assert f"the last checkpoint is {out / 'checkpoints' / 'step_000002'}" in err
+    # the surviving rank's traceback and torchrun's own lines go to train.log, not the console (papercut 1)
+    assert "Traceback" not in err and "elastic" not in err, err[-3000:]
+    assert "gapo-train: rank 0 lost another rank (" in err and "Traceback" in (out / "train.log").read_text()
 
 
 def _rollouts(run_dir: Path, step: int) -> list[tuple]:
