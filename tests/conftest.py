@@ -225,7 +225,9 @@ def torchrun(tmp_path) -> Callable[..., list[dict]]:
         r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                             f"tests/{script}", str(out), *args], cwd=REPO, env=ENV, capture_output=True, text=True,
                            timeout=timeout)
-        assert r.returncode == 0, r.stderr[-4000:]
+        # whether a failed rank had written its result tells a fault in the work from one on the way out
+        written = [rank for rank in range(nproc) if Path(f"{out}.{rank}").exists()]
+        assert r.returncode == 0, f"exit {r.returncode}; ranks that wrote their result: {written}\n{r.stderr[-4000:]}"
         return [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(nproc)]
 
     return run

@@ -34,6 +34,7 @@ def main(out_path: str, stage: int) -> None:
     import deepspeed
 
     partitioning_every_weight()
+    torch.manual_seed(0)  # PEFT draws lora_A from torch's global generator: the same adapters on every run
     placement = init_distributed()
     rank, world = placement.rank, placement.world
     cfg = resolve({"model": {"path": "tiny-qwen2", "dtype": "bfloat16", "lora": {"rank": 4, "alpha": 8.0}},

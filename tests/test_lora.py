@@ -124,7 +124,9 @@ def test_a_bf16_lora_gradient_through_zero3_is_the_plain_torch_one(torchrun, npr
     for res in torchrun("dist_lora_check.py", "3", nproc=nproc):
         assert res["lora_layers_merged"] == 14 and (nproc == 1 or res["partitioned"] == [True, True]), res
         assert res["ds"] == pytest.approx(res["merged_bf16"], rel=1e-2)  # measured 3e-5 (1 rank), 3e-3 (2)
-        assert res["ds"] == pytest.approx(res["peft_fp32"], rel=3e-2)  # measured 1.2-1.5 %
+        # bf16's rounding against fp32: -0.4 to -2.7 % over lora_A seeds 0-11 at 1 rank, -3.4 % once unseeded (CI);
+        # a LoRA scale (alpha/r = 2) applied wrongly would halve or double it
+        assert res["ds"] == pytest.approx(res["peft_fp32"], rel=6e-2)
 
 
 def test_without_lora_the_pushed_names_are_the_modules_own():
