@@ -337,7 +337,11 @@ class RolloutConfig(_Section):
     group_size: int = Field(8, ge=2)
     prompts_per_step: int = Field(8, ge=1)
     temperature: float = Field(1.0, gt=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_p: float = Field(
+        1.0, gt=0.0, le=1.0, description="Nucleus sampling. Below 1 the engine's log-probs are renormalised over the "
+                                         "kept tokens and the trainer's are not: refused with use_engine_logprobs "
+                                         "or a rollout correction, and logprob_mismatch then measures the "
+                                         "truncation, not the numerics.")
     max_new_tokens: int = Field(256, gt=0)
     gpu_memory_utilization: float = Field(
         COLOCATED_SHARE, gt=0.0, le=1.0,
@@ -584,6 +588,16 @@ class Config(_Section):
             raise ValueError("algorithm.rollout_correction needs the trainer's own old log-probs: with "
                              "rollout.use_engine_logprobs=true pi_old is the engine's, so every ratio "
                              "pi_old / pi_rollout is 1 and the correction would do nothing")
+        if self.rollout.top_p < 1.0 and (self.rollout.use_engine_logprobs or
+                                         self.algorithm.rollout_correction.mode != "off"):
+            uses = ("rollout.use_engine_logprobs=true (pi_old is the engine's)" if self.rollout.use_engine_logprobs
+                    else f"algorithm.rollout_correction.mode={self.algorithm.rollout_correction.mode} (pi_rollout "
+                         "is the engine's)")
+            raise ValueError(f"rollout.top_p={self.rollout.top_p} with {uses}: the engine's log-probs are "
+                             "renormalised over the tokens top-p keeps while the trainer's are over the whole "
+                             "vocabulary, so every ratio between the two is off by the log of the kept mass "
+                             "(tests/test_engine.py measures it). Sample with rollout.top_p=1.0, or keep top-p "
+                             "with rollout.use_engine_logprobs=false and algorithm.rollout_correction.mode=off")
         if self.rollout.max_staleness and self.rollout.use_engine_logprobs:
             raise ValueError(f"rollout.max_staleness={self.rollout.max_staleness} needs "
                              "rollout.use_engine_logprobs=false: pi_old must be the trainer's weights at the step "

@@ -214,20 +214,23 @@ def fenced(program: str, tag: str = "python") -> str:
     return f"Here is my solution.\n```{tag}\n{program}\n```\nDone."
 
 
+def run_torchrun(script: str, out_dir: Path, *args: str, nproc: int, timeout: int = 300) -> list[dict]:
+    """tests/<script> under torchrun from the repository root, with an output path in `out_dir` before the given
+    arguments; each rank's JSON result (the script writes <out>.<rank>). A failed run fails the test with the end of
+    its stderr. No --master_port: on one node torchrun then rendezvouses on a port the OS gives it (localhost:0), so
+tests that run side by side (pytest -n) never meet."""
+    out = out_dir / Path(script).stem
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                        f"tests/{script}", str(out), *args], cwd=REPO, env=ENV, capture_output=True, text=True,
+                       timeout=timeout)
+    # whether a failed rank had written its result tells a fault in the work from one on the way out
+    written = [rank for rank in range(nproc) if Path(f"{out}.{rank}").exists()]
+    assert r.returncode == 0, f"exit {r.returncode}; ranks that wrote their result: {written}\n{r.stderr[-4000:]}"
+    return [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(nproc)]
+
+
 @pytest.fixture
 def torchrun(tmp_path) -> Callable[..., list[dict]]:
-    """`torchrun("dist_grad_check.py", "3", nproc=2)` runs tests/dist_grad_check.py under torchrun from the
-    repository root, with an output path before the given arguments, and returns each rank's JSON result (the
-    script writes <out>.<rank>). A failed run fails the test with the end of its stderr."""
-
-    def run(script: str, *args: str, nproc: int, timeout: int = 300) -> list[dict]:
-        out = tmp_path / Path(script).stem
-        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                            f"tests/{script}", str(out), *args], cwd=REPO, env=ENV, capture_output=True, text=True,
-                           timeout=timeout)
-        # whether a failed rank had written its result tells a fault in the work from one on the way out
-        written = [rank for rank in range(nproc) if Path(f"{out}.{rank}").exists()]
-        assert r.returncode == 0, f"exit {r.returncode}; ranks that wrote their result: {written}\n{r.stderr[-4000:]}"
-        return [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(nproc)]
-
-    return run
+    """`torchrun("dist_grad_check.py", "3", nproc=2)`: run_torchrun with the test's own folder."""
+    return lambda script, *args, nproc, timeout=300: run_torchrun(script, tmp_path, *args, nproc=nproc,
+                                                                  timeout=timeout)

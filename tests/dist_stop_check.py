@@ -1,6 +1,8 @@
 """Run under torchrun by test_engine.py: a model whose EOS is <|endoftext|> (a base model's generation config)
 but whose chat turns end with <|im_end|>. Writes the response token ids sampled by vLLM with and without
-the stop tokens that gapo derives from the chat template, and how many frames torch.compile saw meanwhile."""
+the stop tokens that gapo derives from the chat template, and how many frames torch.compile saw meanwhile; and, from
+the same engine (one build), rollouts sampled at top_p 1.0 and 0.9 with their engine log-probs (issue 52: vLLM's
+processed log-probs are renormalised over the nucleus)."""
 
 import json
 import sys
@@ -27,6 +29,10 @@ def main(out_path: str, model_dir: str) -> None:
                                                          stop_token_ids=stops), seeds=[1, 2, 3, 4])
         out[name] = [[x.response_ids, x.text] for g in groups for x in g]
     out["frames_compiled"] = counters["frames"]["total"]  # compile="eager": none, vLLM's sampler included
+    for top_p in (1.0, 0.9):
+        groups = engine.generate(prompts, SamplingConfig(n=4, temperature=1.0, top_p=top_p, max_new_tokens=24,
+                                                         stop_token_ids=stop_token_ids(tok)), seeds=[5, 6, 7, 8])
+        out[f"top_p {top_p}"] = [[x.prompt_ids, x.response_ids, x.logprobs] for g in groups for x in g]
     with open(f"{out_path}.0", "w") as f:
         json.dump(out, f)
 

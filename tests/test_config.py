@@ -112,12 +112,25 @@ def test_dr_grpo_constant_defaults_to_max_new_tokens():
     ({}, ["data.arithmetic_levels=[add_small]", "data.arithmetic_size=1500"],
      ["data.arithmetic_size=1500", "['add_small']", "only 400"]),
     ({}, ["data.arithmetic_levels=[add_smal]"], ["data.arithmetic_levels=['add_smal']", "mul_small"]),
+    # top-p renormalises the engine's log-probs over the nucleus: no ratio may mix them with the trainer's (issue 52)
+    ({}, ["rollout.top_p=0.9", "rollout.use_engine_logprobs=true"],
+     ["rollout.top_p=0.9", "rollout.use_engine_logprobs=true", "kept mass", "rollout.top_p=1.0"]),
+    ({}, ["rollout.top_p=0.9", "algorithm.rollout_correction.mode=truncate"],
+     ["rollout.top_p=0.9", "algorithm.rollout_correction.mode=truncate", "kept mass"]),
 ])
 def test_bad_configs_name_key_value_and_rule(raw, overrides, needles):
     with pytest.raises(ConfigError) as e:
         resolve(raw, overrides)
     for needle in needles:
         assert needle in str(e.value), (needle, str(e.value))
+
+
+def test_top_p_alone_and_either_engine_option_alone_still_resolve():
+    """The refusal is of the combinations only: top-p with the trainer's own pi_old, and the engine's log-probs at
+    top_p 1, are sound."""
+    assert resolve({}, ["rollout.top_p=0.9"]).rollout.top_p == 0.9
+    assert resolve({}, ["rollout.use_engine_logprobs=true"]).rollout.use_engine_logprobs
+    assert resolve({}, ["algorithm.rollout_correction.mode=mask"]).algorithm.rollout_correction.mode == "mask"
 
 
 def test_missing_and_malformed_files(tmp_path):

@@ -268,28 +268,40 @@ def test_gradient_accumulates_over_micro_batches_and_ranks(torchrun, stage, npro
         assert abs(res["torch"] - res["last_micro_only"]) > 1e-3 * res["torch"]  # the check can tell them apart
 
 
-@pytest.mark.dist
-def test_generation_stops_at_the_chat_templates_end_of_turn(tmp_path, torchrun):
-    """A base model's generation config stops only at <|endoftext|>; the chat turn ends at <|im_end|>. Without
-    the template's end-of-turn as a stop token the model writes past its turn (and a last-\\boxed{} reader
-    would read what follows); with it, <|im_end|> ends every response that is not truncated."""
+@pytest.fixture(scope="module")
+def stop_check(once):
+    """One vLLM engine (tests/dist_stop_check.py, 1 rank) on a model whose EOS is <|endoftext|> while its chat turns
+    end at <|im_end|>; its samples with and without the template's stop tokens, and at top_p 1.0 and 0.9."""
     import shutil
 
+    from conftest import run_torchrun
     from transformers import AutoTokenizer
 
     from gapo.models import resolve_model
 
-    model = tmp_path / "base-eos"
-    shutil.copytree(resolve_model("tiny-qwen2"), model)
-    tok = AutoTokenizer.from_pretrained(model)
-    tok.eos_token = "<|endoftext|>"
-    tok.save_pretrained(model)
-    eos = tok.convert_tokens_to_ids("<|endoftext|>")
-    for name in ("config.json", "generation_config.json"):
-        cfg = json.loads((model / name).read_text())
-        cfg["eos_token_id"] = eos
-        (model / name).write_text(json.dumps(cfg))
-    [res] = torchrun("dist_stop_check.py", str(model), nproc=1)
+    def make(tmp: Path) -> tuple[dict, Path, int]:
+        model = tmp / "base-eos"
+        shutil.copytree(resolve_model("tiny-qwen2"), model)
+        tok = AutoTokenizer.from_pretrained(model)
+        tok.eos_token = "<|endoftext|>"
+        tok.save_pretrained(model)
+        eos = tok.convert_tokens_to_ids("<|endoftext|>")
+        for name in ("config.json", "generation_config.json"):
+            cfg = json.loads((model / name).read_text())
+            cfg["eos_token_id"] = eos
+            (model / name).write_text(json.dumps(cfg))
+        [res] = run_torchrun("dist_stop_check.py", tmp, str(model), nproc=1)
+        return res, model, eos
+
+    return once("test_engine stop check", make)
+
+
+@pytest.mark.dist
+def test_generation_stops_at_the_chat_templates_end_of_turn(stop_check):
+    """A base model's generation config stops only at <|endoftext|>; the chat turn ends at <|im_end|>. Without
+    the template's end-of-turn as a stop token the model writes past its turn (and a last-\\boxed{} reader
+    would read what follows); with it, <|im_end|> ends every response that is not truncated."""
+    res, _, eos = stop_check
     im_end = res["im_end"]
     assert im_end in res["stop_ids"] and eos in res["stop_ids"]
     past = [ids for ids, _ in res["without"] if im_end in ids[:-1]]
@@ -299,6 +311,35 @@ def test_generation_stops_at_the_chat_templates_end_of_turn(tmp_path, torchrun):
         assert "<|im_end|>" not in text
     assert any(ids[-1] == im_end for ids, _ in res["with"])
     assert res["frames_compiled"] == 0  # an eager engine compiles nothing (~3 s a CPU start: PERFORMANCE.md §13)
+
+
+@pytest.mark.dist
+def test_top_p_engine_logprobs_are_off_by_the_log_of_the_kept_mass(stop_check):
+    """Why gapo refuses rollout.top_p < 1 with the engine's log-probs as pi_old or pi_rollout (config.py): vLLM's
+    processed log-probs are log-softmax over the tokens top-p keeps, the trainer's over the whole vocabulary. At
+    top_p 1 the two agree (fp32); at 0.9 the engine's exceed the trainer's by exactly -log(kept mass) at each
+    position, which the trainer's own distribution gives (tokens sorted by probability, kept while the mass before
+    them is below p)."""
+    from transformers import AutoModelForCausalLM
+
+    res, model_dir, _ = stop_check
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    gaps, predicted = {}, {}
+    for top_p in (1.0, 0.9):
+        gaps[top_p], predicted[top_p] = [], []
+        for prompt, response, engine_lp in res[f"top_p {top_p}"]:
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1]  # T=1
+            logp = torch.log_softmax(logits.double(), -1)
+            trainer_lp = logp.gather(1, torch.tensor(response)[:, None])[:, 0]
+            gaps[top_p] += (torch.tensor(engine_lp, dtype=torch.float64) - trainer_lp).tolist()
+            probs, _ = logp.exp().sort(-1, descending=True)
+            before = probs.cumsum(-1) - probs  # the mass of the more probable tokens
+            predicted[top_p] += (-torch.log((probs * (before < top_p)).sum(-1))).tolist()
+    full, nucleus = torch.tensor(gaps[1.0]), torch.tensor(gaps[0.9])
+    assert full.abs().max() < 1e-4, full.abs().max()  # no truncation: engine and trainer agree
+    assert nucleus.min() > 0 and nucleus.max() > 0.05, nucleus  # the bias the refusal is about, at every token
+    assert torch.allclose(nucleus, torch.tensor(predicted[0.9]), atol=1e-3), (nucleus - torch.tensor(predicted[0.9]))
 
 
 @pytest.mark.e2e
