@@ -13,7 +13,7 @@ import textwrap
 
 from gapo import console, rundir
 from gapo.config import ConfigError, dump_config, field_descriptions, load_config
-from gapo.distributed import free_port
+from gapo.distributed import free_port, share_cores
 from gapo.errors import EXPLAINED, Exit
 
 TRAIN_DESCRIPTION = f"""Train a policy with GAPO and its baselines.
@@ -94,8 +94,7 @@ def train_main(argv: list[str] | None = None) -> int:
                 and not a.startswith("--nproc=")]
         cmd = [sys.executable, "-m", "gapo.launch", "--nproc_per_node", str(args.nproc),
                "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", "gapo.cli", *rest]
-        # torchrun sets 1 thread per rank itself when unset, and says so at length; the ranks log the rest.
-        child = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+        child = subprocess.Popen(cmd)  # (gapo.launch gives each rank its share of the cores)
         for sig in (signal.SIGTERM, signal.SIGUSR1):  # a preemption signal is the ranks' (gapo.launch forwards it)
             signal.signal(sig, lambda signum, frame: child.send_signal(signum))
         code = child.wait()
@@ -107,9 +106,7 @@ def train_main(argv: list[str] | None = None) -> int:
         return code
     # OpenMP threads spin-wait by default, which slows vLLM's CPU generation ~6x when two runtimes share cores.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    # vLLM freezes torch's thread count at engine build (1 unless OMP_NUM_THREADS says otherwise), and the
-    # trainer shares it: give a single rank every core. (torchrun sets 1 per rank itself.)
-    os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+    share_cores(1)  # a single rank: every core (under gapo.launch each rank's share is set already)
     rank0 = os.environ.get("RANK", "0") == "0"
     if not args.verbose:
         console.capture(show_warnings=rank0)  # before the libraries load: what they print goes to train.log

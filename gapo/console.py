@@ -26,6 +26,7 @@ from typing import TextIO
 from tqdm import tqdm
 
 from gapo.config import Config
+from gapo.distributed import THREADS_WHY
 from gapo.rundir import TRAIN_LOG
 
 _console: TextIO | None = None  # the real stderr while fds 1 and 2 go to the log
@@ -101,8 +102,9 @@ def attach(run_dir: Path, name: str = TRAIN_LOG) -> Path | None:
     return _log
 
 
-def run_header(cfg: Config, run_dir: Path, world: int) -> str:
-    """The resolved run in a few lines (`--print-config` has every field)."""
+def run_header(cfg: Config, run_dir: Path, world: int, threads: int) -> str:
+    """The resolved run in a few lines (`--print-config` has every field); `threads`: torch's, as the engine left
+    them (gapo.distributed.share_cores)."""
     m, d, a, r, t, ev = cfg.model, cfg.data, cfg.algorithm, cfg.rollout, cfg.trainer, cfg.eval
     train = d.train if isinstance(d.train, str) else ", ".join(f"{s.source}:{s.subset}" if s.subset else s.source
                                                                 for s in d.train)
@@ -115,6 +117,7 @@ def run_header(cfg: Config, run_dir: Path, world: int) -> str:
         every = f"every {t.eval_every} steps, " if t.eval_every else ""
         lines.append(f"validation {', '.join(ev.benchmarks)} (n={ev.n}): {every}before the first and after the "
                      "last step")
+    lines.append(f"threads    {threads} per rank ({os.environ.get(THREADS_WHY, 'as the process found them')})")
     lines.append(f"log        {_log if _console else 'this console (--verbose)'}")
     return "\n".join(lines)
 

@@ -20,6 +20,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+THREADS_WHY = "GAPO_THREADS_WHY"  # how share_cores chose OMP_NUM_THREADS, for the run header
+
+
+def share_cores(local_ranks: int) -> None:
+    """Give each of this node's `local_ranks` ranks its share of the cores as OMP_NUM_THREADS, unless the user set it.
+
+    Why: vLLM freezes torch's thread count when it is built in-process, at 1 unless OMP_NUM_THREADS says otherwise,
+    and torchrun hands every rank OMP_NUM_THREADS=1; the trainer shares that count, so an offloaded optimizer step
+    would run on one core of a node that has 8-16 per GPU (docs/PERFORMANCE.md §12). The cores are this process's
+    (its CPU affinity), or SLURM_CPUS_PER_TASK where that is fewer (a job step without CPU binding sees the node)."""
+    if "OMP_NUM_THREADS" in os.environ:
+        os.environ.setdefault(THREADS_WHY, "OMP_NUM_THREADS set by the user")
+        return
+    cores, where = len(os.sched_getaffinity(0)), "cores"
+    slurm = os.environ.get("SLURM_CPUS_PER_TASK", "")
+    if slurm.isdigit() and 0 < int(slurm) < cores:
+        cores, where = int(slurm), "SLURM_CPUS_PER_TASK"
+    os.environ["OMP_NUM_THREADS"] = str(max(1, cores // local_ranks))
+    os.environ[THREADS_WHY] = f"{cores} {where} / {local_ranks} local rank{'s' if local_ranks > 1 else ''}"
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where this process sits in the job, as init_distributed set it up.

@@ -17,6 +17,7 @@ import signal
 import sys
 from pathlib import Path
 
+from gapo.distributed import share_cores
 from gapo.errors import EXPLAINED, Exit
 from gapo.trainer.preempt import SIGNALS
 
@@ -66,10 +67,24 @@ def exit_code(codes: set[int], received: set[int] = frozenset()) -> int | None:
     return None
 
 
+def local_ranks(argv: list[str]) -> int | None:
+    """torchrun's --nproc_per_node, in either spelling; None for 'gpu', 'auto' and the like, whose count this
+    process cannot know before torchrun does (torchrun then hands each rank one thread, as before)."""
+    for i, a in enumerate(argv):
+        flag, _, value = a.partition("=")
+        if flag in ("--nproc_per_node", "--nproc-per-node"):
+            value = value or (argv[i + 1] if i + 1 < len(argv) else "")
+            return int(value) if value.isdigit() and int(value) > 0 else None
+    return 1  # torchrun's default
+
+
 def main() -> int:
     # SIGTERM stays ours. torchrun writes its --signals-to-handle (default: SIGTERM too) over the environment
     # variable TORCHELASTIC_SIGNALS_TO_HANDLE, so the flag it is.
     sys.argv[1:1] = ["--signals-to-handle", "SIGINT,SIGHUP,SIGQUIT"]
+    ranks = local_ranks(sys.argv[1:])
+    if ranks is not None:
+        share_cores(ranks)  # before torchrun, which would hand every rank one thread
     for sig in SIGNALS:
         signal.signal(sig, _forward)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

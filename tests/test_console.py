@@ -127,14 +127,48 @@ def test_step_lines_are_aligned_columns(total):
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_the_resolved_run_fits_in_a_few_lines(path):
     cfg = load_config(path, ["trainer.resume_from=runs/parent"])
-    text = run_header(cfg, Path("runs/x"), world=2)
-    assert len(text.splitlines()) <= 6 and "runs/x  (from runs/parent)" in text, text
+    text = run_header(cfg, Path("runs/x"), world=2, threads=3)
+    assert len(text.splitlines()) <= 7 and "runs/x  (from runs/parent)" in text, text
+    assert "threads    3 per rank (" in text, text
     assert f"{cfg.algorithm.name}: {cfg.algorithm.is_level} IS" in text and "2 ranks, ZeRO stage 3" in text, text
 
 
 def test_one_rank_says_what_runs():
     """One rank runs DeepSpeed unpartitioned (stage 0 in fp32, 1 in bf16), whatever trainer.zero_stage says."""
     fp32, bf16 = load_config("demo_cpu"), load_config("qwen_math")
-    assert "1 rank, ZeRO stage 0 (one rank: nothing to partition)" in run_header(fp32, Path("runs/x"), world=1)
-    assert "1 rank, ZeRO stage 1 (one rank: nothing to partition)" in run_header(bf16, Path("runs/x"), world=1)
-    assert "8 ranks, ZeRO stage 3" in run_header(bf16, Path("runs/x"), world=8)
+    x = Path("runs/x")
+    assert "1 rank, ZeRO stage 0 (one rank: nothing to partition)" in run_header(fp32, x, world=1, threads=1)
+    assert "1 rank, ZeRO stage 1 (one rank: nothing to partition)" in run_header(bf16, x, world=1, threads=1)
+    assert "8 ranks, ZeRO stage 3" in run_header(bf16, x, world=8, threads=1)
+
+
+@pytest.mark.parametrize("env, ranks, threads, why", [
+    ({}, 2, "CORES/2", "cores / 2 local ranks"),
+    ({}, 1, "CORES", "cores / 1 local rank"),
+    ({"SLURM_CPUS_PER_TASK": "1"}, 1, "1", "1 SLURM_CPUS_PER_TASK / 1 local rank"),
+    ({"OMP_NUM_THREADS": "5"}, 2, "5", "OMP_NUM_THREADS set by the user"),
+    ({}, 10_000, "1", "/ 10000 local ranks"),
+])
+def test_each_rank_gets_its_share_of_the_cores(monkeypatch, env, ranks, threads, why):
+    """vLLM keeps torch at OMP_NUM_THREADS (1 when unset) and torchrun hands each rank 1: gapo.launch shares the
+    cores out instead (issue 52 item 2); a user's OMP_NUM_THREADS wins."""
+    from gapo.distributed import THREADS_WHY, share_cores
+
+    for key in ("OMP_NUM_THREADS", THREADS_WHY, "SLURM_CPUS_PER_TASK"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    cores = len(os.sched_getaffinity(0))
+    share_cores(ranks)
+    expect = {"CORES/2": str(max(1, cores // 2)), "CORES": str(cores)}.get(threads, threads)
+    assert os.environ["OMP_NUM_THREADS"] == expect and why in os.environ[THREADS_WHY], os.environ[THREADS_WHY]
+
+
+@pytest.mark.parametrize("argv, ranks", [
+    (["--nproc_per_node", "4", "-m", "gapo.cli"], 4), (["--nproc-per-node=3"], 3), (["--nnodes", "2"], 1),
+    (["--nproc_per_node", "gpu"], None), (["--nproc_per_node=0"], None),
+])
+def test_launch_reads_torchruns_local_rank_count(argv, ranks):
+    from gapo.launch import local_ranks
+
+    assert local_ranks(argv) == ranks

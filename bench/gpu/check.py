@@ -343,6 +343,7 @@ def _close_engine(engine, model: weakref.ref | None, state: dict) -> None:
     if torch.cuda.is_available():  # GPU only; unverified on a GPU
         from gapo.config import load_config
 
+        torch.cuda.empty_cache()  # what the engine's tensors left in PyTorch's cache is free for the next engine
         free, total = torch.cuda.mem_get_info()
         # what the gapo-train rows' vLLM asks for at start (v1/worker/utils.py request_memory): the larger share
         need = total * max(load_config(str(ROOT / "configs" / "tiny_cpu.yaml")).rollout.gpu_memory_utilization,
@@ -459,6 +460,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     ROWS.clear()
+    if torch is not None:  # this process builds a vLLM engine, which keeps torch at 1 thread unless told otherwise
+        from gapo.distributed import THREADS_WHY, share_cores
+
+        share_cores(1)
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        print(f"threads: {torch.get_num_threads()} ({os.environ[THREADS_WHY]})", flush=True)
     cuda = torch is not None and torch.cuda.is_available()
     state: dict = {"cpu_smoke": args.cpu_smoke, "out": args.out}
     if TORCH_MISSING:
