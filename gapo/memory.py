@@ -147,14 +147,36 @@ def param_count(facts: dict) -> int:
     return embed + n_layers * (attn + mlp + 2 * h) + h
 
 
+def _linears(facts: dict) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each linear layer of a decoder layer, by the names LoRA targets."""
+    h, i, _, heads, kv, hd, _ = _shape(facts)
+    qd, kvd = heads * hd, kv * hd
+    return {"q_proj": (h, qd), "k_proj": (h, kvd), "v_proj": (h, kvd), "o_proj": (qd, h), "gate_proj": (h, i),
+            "up_proj": (h, i), "down_proj": (i, h)}
+
+
 def lora_param_count(facts: dict, rank: int, targets: list[str]) -> int:
     """Parameters of LoRA adapters (A: rank x in, B: out x rank) on the named linear layers of every decoder layer
     (model.lora.target_modules; names of other modules count nothing)."""
-    h, i, n_layers, heads, kv, hd, _ = _shape(facts)
-    qd, kvd = heads * hd, kv * hd
-    shapes = {"q_proj": (h, qd), "k_proj": (h, kvd), "v_proj": (h, kvd), "o_proj": (qd, h), "gate_proj": (h, i),
-              "up_proj": (h, i), "down_proj": (i, h)}
-    return n_layers * sum(rank * sum(shapes[t]) for t in targets if t in shapes)
+    shapes = _linears(facts)
+    return _shape(facts)[2] * sum(rank * sum(shapes[t]) for t in targets if t in shapes)
+
+
+def largest_adapted(facts: dict, targets: list[str]) -> int:
+    """Elements of the largest weight matrix that LoRA adapts (model.lora.target_modules), the one whose merged weight
+    costs most to build."""
+    shapes = _linears(facts)
+    return max((shapes[t][0] * shapes[t][1] for t in targets if t in shapes), default=0)
+
+
+def lora_merge_bytes(facts: dict, targets: list[str], dtype: str) -> int:
+    """The temporaries of one merged weight, base + scale * B @ A (gapo.trainer.actor.merged_weight), which every
+    adapted layer builds in its forward, its backward and each push: B @ A in fp32 and its scaled copy (8 bytes an
+    element), then in bf16 the base's fp32 copy and the fp32 sum (4 + 4; the cast to bf16 comes after the copy is
+    freed); in fp32 the sum alone takes the place of the freed product. One layer's at a time: 12 bytes per element
+    of the largest adapted matrix in bf16 (0.17 GB at Qwen2.5-1.5B, 0.8 GB at 7B), 8 in fp32. Counted from the code
+    (the order CPython frees temporaries in), not measured on a GPU."""
+    return (12 if dtype == "bfloat16" else 8) * largest_adapted(facts, targets)
 
 
 def largest_param(facts: dict, lora_rank: int | None = None) -> int:
@@ -261,6 +283,7 @@ class MemoryPlan:
     reduce_bucket: int  # ZeRO's gradient reduce bucket (and offload's staging buffer): held for the whole run
     zero_buffers: int  # while a step accumulates and at the optimizer step: AdamW's temporary, gradient copies and
     # buffers that only exist then (zero_buffer_bytes)
+    lora_merge: int = 0  # LoRA: one merged weight's temporaries (lora_merge_bytes), in a forward, backward or push
     overhead: int = OVERHEAD
     split: bool = False  # split placement: a training rank's plan, no engine on its GPU
 
@@ -270,8 +293,9 @@ class MemoryPlan:
 
     @property
     def generation(self) -> int:
-        """vLLM generating while the trainer's states and DeepSpeed's persistent reduce bucket stay resident."""
-        return self.vllm_total + self.trainer_states + self.reduce_bucket + self.overhead
+        """vLLM generating while the trainer's states and DeepSpeed's persistent reduce bucket stay resident; the weight
+        push, which builds LoRA's merged weights, happens beside them."""
+        return self.vllm_total + self.trainer_states + self.reduce_bucket + self.lora_merge + self.overhead
 
     @property
     def training(self) -> int:
@@ -279,7 +303,7 @@ class MemoryPlan:
         freed and its reserve was only a profile-time peak in the same process's allocator."""
         vllm = 0 if self.sleep else self.vllm_total
         return (vllm + self.trainer_states + self.activations + self.attention_mask + self.logits + self.reduce_bucket
-                + self.zero_buffers + self.overhead)
+                + self.zero_buffers + self.lora_merge + self.overhead)
 
     @property
     def total(self) -> int:
@@ -344,6 +368,7 @@ def memory_plan(cfg: Config, facts: dict, world: int, device_gb: float = 80.0) -
         host_states=host,
         activations=activations, attention_mask=mask,
         logits=LOGIT_CHUNK * vocab * b + vocab * facts["hidden_size"] * b,
+        lora_merge=lora_merge_bytes(facts, m.lora.target_modules, m.dtype) if m.lora else 0,
         **zero_buffer_bytes(trained, stage, world, offload.optimizer == "cpu", m.dtype, largest))
 
 
@@ -403,6 +428,7 @@ def format_plan(plan: MemoryPlan, device_gb: float) -> str:
         ("logits chunk + head grad", plan.logits, ""),
         ("ZeRO reduce bucket (held)", plan.reduce_bucket, ""),
         ("ZeRO step buffers", plan.zero_buffers, ""),
+        *([("LoRA merged-weight temporaries", plan.lora_merge, "one layer's at a time")] if plan.lora_merge else []),
         ("CUDA / NCCL / ZeRO overhead", plan.overhead, ""),
     ]
     lines = [f"  {name:<32}{gb(x)}  {note}".rstrip() for name, x, note in rows]

@@ -252,6 +252,26 @@ def test_one_gpu_offload_by_hand_for_qwen_math():
     assert stage1.zero_stage == 1 and stage1.zero_buffers == 4 * n + 4 * (n // 2)
 
 
+def test_lora_plans_its_merged_weights_temporaries():
+    """Every adapted layer builds base + scale * B @ A in its forward, backward and each push (issue 52 item 3): in
+    bf16 12 bytes per element of the largest adapted matrix, Qwen2.5-1.5B's 1,536 x 8,960 MLP (0.17 GB), 8 in fp32;
+    only the adapted names count, and a run without LoRA plans none."""
+    cfg = load_config("qwen_math_1gpu", ["model.lora.rank=16"])
+    plan = memory_plan(cfg, QWEN, world=1, device_gb=24)
+    assert plan.lora_merge == 12 * 1_536 * 8_960 == 165_150_720
+    without = memory_plan(load_config("qwen_math_1gpu"), QWEN, world=1, device_gb=24)
+    assert without.lora_merge == 0 and "LoRA merged" not in format_plan(without, 24)
+    assert plan.training - plan.lora_merge == (plan.vllm_total * (not plan.sleep) + plan.trainer_states
+                                               + plan.activations + plan.attention_mask + plan.logits
+                                               + plan.reduce_bucket + plan.zero_buffers + plan.overhead)
+    assert plan.generation - plan.lora_merge == (plan.vllm_total + plan.trainer_states + plan.reduce_bucket
+                                                 + plan.overhead)  # the push builds them beside the engine
+    assert "LoRA merged-weight temporaries" in format_plan(plan, 24)
+    attention = load_config("qwen_math_1gpu", ["model.lora.rank=16", "model.lora.target_modules=[q_proj,v_proj]",
+                                                "model.dtype=float32"])
+    assert memory_plan(attention, QWEN, world=1).lora_merge == 8 * 1_536 * 1_536  # q_proj: 12 heads x 128
+
+
 def test_offloaded_weights_by_hand_for_qwen_math():
     """optimizer + params offloaded (ZeRO-3, one rank): stage 3 accumulates gradients on the host, so the GPU keeps
     no gradient partition; the host holds the fp32 gradient and accumulation buffers (pinned), the fp32 master
