@@ -275,6 +275,7 @@ class MemoryPlan:
     kv_cache_given: int  # what vLLM gets for its KV cache (after weights and reserve, or kv_cache_gb)
     kv_cache_needed: int  # every sequence of this rank's step at full length, at once
     kv_one_sequence: int  # one sequence of max_model_len: vLLM refuses to start with less
+    context: int  # the engine's max_model_len, in tokens
     trainer_states: int
     host_states: int  # what trainer.offload keeps in host memory instead, with its buffers (not in the GPU's peak)
     activations: int
@@ -325,10 +326,14 @@ def micro_batch_shape(cfg: Config) -> tuple[int, int]:
     return (budget if budget else cfg.trainer.micro_batch_size * seq_len), seq_len
 
 
-def memory_plan(cfg: Config, facts: dict, world: int, device_gb: float = 80.0) -> MemoryPlan:
+def memory_plan(cfg: Config, facts: dict, world: int, device_gb: float = 80.0,
+                max_model_len: int | None = None) -> MemoryPlan:
     """The per-GPU plan of `cfg` for the model described by `facts` (gapo.models.model_facts) on `world`
     training ranks of `device_gb` GiB each, for the vLLM engine (the GPU path). With split placement it is a
-    training rank's plan: vLLM runs on the generator ranks, each with a GPU of its own and nothing else on it."""
+    training rank's plan: vLLM runs on the generator ranks, each with a GPU of its own and nothing else on it.
+    `max_model_len`: the engine's context, which a run sizes to the longer of its training prompts and its
+    validation benchmarks' (gapo.evaluation.context_length); by default the config's data.max_prompt_tokens plus
+    the larger of the rollout's and evaluation's new tokens."""
     r, d, m = cfg.rollout, cfg.data, cfg.model
     b = DTYPE_BYTES[m.dtype]
     params = param_count(facts)
@@ -353,7 +358,7 @@ def memory_plan(cfg: Config, facts: dict, world: int, device_gb: float = 80.0) -
         states, host = (states, host + frozen) if offload.params == "cpu" else (states + frozen, host)
     per_token = kv_bytes_per_token(facts, b)
     seq_len = d.max_prompt_tokens + r.max_new_tokens
-    max_model_len = d.max_prompt_tokens + max(r.max_new_tokens, cfg.eval.max_new_tokens)
+    max_model_len = max_model_len or d.max_prompt_tokens + max(r.max_new_tokens, cfg.eval.max_new_tokens)
     tokens, padded = micro_batch_shape(cfg)
     activations, mask = activation_bytes(facts, tokens, padded, b, m.gradient_checkpointing)
     _, _, _, _, _, _, vocab = _shape(facts)
@@ -361,7 +366,7 @@ def memory_plan(cfg: Config, facts: dict, world: int, device_gb: float = 80.0) -
         params=params, dtype=m.dtype, zero_stage=stage, world=world, micro_batch_tokens=tokens,
         sleep=r.sleep_between_steps, vllm_weights=0 if split else weights, vllm_reserve=0 if split else VLLM_RESERVE,
         kv_cache_given=kv_given, kv_cache_needed=0 if split else cfg.shape(world).rollouts * seq_len * per_token,
-        kv_one_sequence=0 if split else max_model_len * per_token, split=split,
+        kv_one_sequence=0 if split else max_model_len * per_token, context=max_model_len, split=split,
         # A KL penalty keeps a frozen reference copy of the weights, partitioned like the actor's.
         trainer_states=states
         + (math.ceil(weights / (world if stage == 3 else 1)) if cfg.algorithm.kl_coef > 0 else 0),
@@ -450,20 +455,22 @@ def format_plan(plan: MemoryPlan, device_gb: float) -> str:
     return "Per-GPU memory plan (GB = GiB, estimates):\n" + "\n".join(lines)
 
 
-def plan_text(cfg: Config, world: int, device_gb: float | None) -> tuple[str, bool]:
+def plan_text(cfg: Config, world: int, device_gb: float | None, max_model_len: int | None = None) -> tuple[str, bool]:
     """The plan of `cfg` on `world` ranks as printed and logged, and whether it fits. `device_gb`: the GPU the
-    run found (None: planning away from one, for an 80 GB H100)."""
+    run found (None: planning away from one, for an 80 GB H100); `max_model_len`: the engine's context where the
+    run knows it (memory_plan)."""
     from gapo.models import model_facts
 
     facts = model_facts(cfg.model.path)
     if not facts:
         return f"No memory plan: no config.json for {cfg.model.path} (local, hub cache or known models).", True
     size = device_gb or 80.0
-    plan = memory_plan(cfg, facts, world, size)
+    plan = memory_plan(cfg, facts, world, size, max_model_len)
     ranks = "training rank" if cfg.rollout.placement == "split" else "rank"  # (split: the generators' are not here)
     where = (f"{world} {ranks}s" if world > 1 else f"1 {ranks}") \
         + ("" if device_gb else ", for an 80 GB GPU (none here)")
-    return f"{format_plan(plan, size)}\n  ({cfg.model.path}, {where})", plan.fits(size)
+    return f"{format_plan(plan, size)}\n  ({cfg.model.path}, {where}, engine context {plan.context:,} tokens)", \
+        plan.fits(size)
 
 
 OFFLOAD_OPTIONS = {"none": ("none", "none"), "optimizer": ("cpu", "none"), "optimizer + params": ("cpu", "cpu")}

@@ -153,6 +153,20 @@ def test_a_kv_cache_smaller_than_one_sequence_is_flagged():
     assert "vLLM will refuse to start" in format_plan(plan, 80)
 
 
+def test_the_engine_context_is_planned_as_the_run_sizes_it():
+    """A run sizes vLLM's context to the longer of its training prompts and its validation benchmarks' longest
+    (gapo.evaluation.context_length; issue 52 item 7): the plan's one-sequence check and its text follow it."""
+    from gapo.memory import plan_text
+
+    cfg = load_config("qwen_math")
+    default = memory_plan(cfg, QWEN, world=8)
+    assert default.context == cfg.data.max_prompt_tokens + max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens)
+    longer = memory_plan(cfg, QWEN, world=8, max_model_len=default.context + 1000)
+    assert longer.kv_one_sequence == default.kv_one_sequence + 1000 * kv_bytes_per_token(QWEN, 2)
+    text, _ = plan_text(cfg, 8, 80, max_model_len=default.context + 1000)
+    assert f"engine context {default.context + 1000:,} tokens" in text
+
+
 def test_a_token_budget_sets_the_micro_batch_size():
     cfg = load_config("r1_distill_math", ["trainer.max_tokens_per_micro_batch=null"])
     assert micro_batch_shape(cfg) == (8 * 25600, 25600)

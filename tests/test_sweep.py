@@ -619,3 +619,35 @@ def test_a_shared_run_must_keep_what_its_user_needs_and_is_counted_by_its_owner(
         'use: table3_qwen/gspo_sym}', 'use: table3_qwen/gspo_sym, overrides: [algorithm.eps_hi=1e-3]}'))
     with pytest.raises(ConfigError, match="takes its settings from table3_qwen/gspo_sym"):
         load_manifest(bad)
+
+
+def test_a_shared_branch_run_needs_its_parent_before_it_and_then_waits_for_it(tmp_path):
+    """`use:` of another manifest's branch run (issue 52 item 7: this crashed in Job.own_steps): refused by name
+    unless the manifest also uses the parent, above it; then the graph trains the parent first, the branch resumes
+    from the parent's checkpoint, and only steps after the branch point are the branch's own."""
+    from gapo.study.manifest import graph
+
+    text = """name: uses_branch
+title: a branch of another manifest's
+produces: test
+config: gspo_intervention
+nproc: 8
+seeds: [0]
+runs:
+  - {name: after600, label: GAPO from 600, use: fig7_intervention/gapo_from_600}
+eval: {protocol: qwen_math, steps: [500, 700, 1000]}
+"""
+    bad = tmp_path / "uses_branch.yaml"
+    bad.write_text(text)
+    with pytest.raises(ConfigError, match=r"runs.after600.use: fig7_intervention/gapo_from_600 branches from "
+                                          r"fig7_intervention's run gspo_asym at step 600.*above it"):
+        jobs(load_manifest(bad))
+    good = tmp_path / "uses_both.yaml"
+    good.write_text(text.replace("runs:\n", "runs:\n  - {name: gspo, label: GSPO, use: fig7_intervention/gspo_asym}\n"))
+    m = load_manifest(good)
+    parent, branch = jobs(m)
+    assert branch.branch_step == 600 and branch.own_steps(m.eval.steps) == [700, 1000]
+    assert parent.own_steps(m.eval.steps) == [500, 700, 1000]
+    assert str(branch.resume).endswith("table3_qwen/gspo_asym/seed0/checkpoints/step_000600")
+    tasks = {t.name: t for t in graph(m, [parent, branch])}
+    assert tasks["after600 seed 0"].depends_on == ("gspo seed 0",)

@@ -40,7 +40,7 @@ def budget(m: Manifest, js: list[Job]) -> str:
         seconds = t.total_steps * (2 * p * tokens / GEN_MFU + (2 + 6 * t.ppo_epochs) * p * tokens / TRAIN_MFU) \
             / (PEAK_FLOPS * gpus)
         if j.parent is not None:
-            seconds *= (t.total_steps - j.run.branch.step) / t.total_steps
+            seconds *= (t.total_steps - j.branch_step) / t.total_steps
         hours = seconds / 3600 * gpus
         evaluated = len(j.own_steps(m.eval.steps))
         if j.shared:  # trained (and kept) by its owner's sweep: count here only the evaluations the owner lacks
@@ -117,7 +117,7 @@ def _eval_gpu_hours(params: int, samples: int, max_prompt_tokens: int, max_new_t
 def _kept_checkpoints(cfg: Config, j: Job) -> tuple[int, int]:
     """(checkpoints left on disk at the end of the run, of which the newest trainer.keep_last)."""
     t = cfg.trainer
-    first = j.run.branch.step + 1 if j.parent is not None else 1
+    first = j.branch_step + 1 if j.branch_step is not None else 1
     saved = sorted({s for s in range(first, t.total_steps + 1) if t.save_every and s % t.save_every == 0}
                    | {t.total_steps})
     newest = set(saved[-t.keep_last:])

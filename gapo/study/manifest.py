@@ -166,6 +166,7 @@ class Job:
     resume: Path | None  # a branch's parent checkpoint
     parent: Job | None
     shared: str | None = None  # MANIFEST/RUN whose run this is (RunSpec.use): its directory and command, not ours
+    branch_step: int | None = None  # where it branches from its parent (its own RunSpec's, or a shared run's owner's)
 
     @property
     def label(self) -> str:
@@ -174,7 +175,7 @@ class Job:
     def own_steps(self, steps: list[int]) -> list[int]:
         """Of the manifest's evaluated steps, those this run has a checkpoint of: a branch starts after its
         branch point, and its steps up to there are its parent's (the same weights: gapo.study.tables.results)."""
-        return [s for s in steps if self.parent is None or s > self.run.branch.step]
+        return [s for s in steps if self.branch_step is None or s > self.branch_step]
 
     def command(self, nproc: int, *, rehearse: bool = False, resume: Path | None = None) -> list[str]:
         resume = resume or self.resume
@@ -205,8 +206,16 @@ def jobs(m: Manifest, root: str | Path | None = None) -> list[Job]:
             args = [*r.overrides, f"trainer.seed={seed}", f"trainer.output_dir={target}",
                     f"trainer.keep_steps=[{','.join(map(str, keep))}]"]
             out[(r.name, seed)] = Job(r, seed, target, r.config or (parent.config if parent else m.config), args,
-                                      resume, parent)
-    return list(out.values())
+                                      resume, parent, branch_step=r.branch.step if r.branch else None)
+    js = list(out.values())
+    for i, j in enumerate(js):  # a shared branch: its parent's training must come first in this sweep too
+        if j.shared and j.parent is not None and j.parent.out not in {x.out for x in js[:i]}:
+            owner = j.shared.split("/")[0]
+            raise ConfigError(f"runs.{j.run.name}.use: {j.shared} branches from {owner}'s run "
+                              f"{j.parent.run.name} at step {j.branch_step}, which this manifest does not train "
+                              f"before it: add {{name: ..., use: {owner}/{j.parent.run.name}}} (or the run {owner} "
+                              "uses for it) above it in runs")
+    return js
 
 
 def _shared_job(r: RunSpec, seed: int, root: str | Path | None) -> Job:
@@ -219,7 +228,8 @@ def _shared_job(r: RunSpec, seed: int, root: str | Path | None) -> Job:
     if seed not in owner.seeds:
         raise ConfigError(f"runs.{r.name}.use: {owner_name} runs seeds {owner.seeds}, not {seed}")
     theirs = next(j for j in jobs(owner, root) if j.run.name == run_name and j.seed == seed)
-    return Job(r, seed, theirs.out, theirs.config, theirs.args, theirs.resume, theirs.parent, shared=r.use)
+    return Job(r, seed, theirs.out, theirs.config, theirs.args, theirs.resume, theirs.parent, shared=r.use,
+               branch_step=theirs.branch_step)
 
 
 def check(m: Manifest, js: list[Job]) -> None:

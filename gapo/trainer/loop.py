@@ -120,20 +120,25 @@ def setup(cfg: Config, rank: int, world: int, remote: split.RemoteEngine | None)
             found = f"from {start.ckpt} (step {start.state.step})" if start.ckpt else "no checkpoint yet, a fresh start"
             console.say(f"resume     auto: {found}")
 
-    # Memory plan: from config.json alone, so a run that cannot fit stops before anything loads.
+    # Memory plan: from config.json alone, so a run that cannot fit stops before anything loads (or downloads); again
+    # below where validation's benchmarks need a longer engine context than the training data.
     device_gb = (torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
                  if torch.cuda.is_available() else None)
-    plan, fits = plan_text(cfg, world, device_gb)
-    if device_gb and not fits and t.check_memory:  # GPU only; unverified here
-        engine = ("" if cfg.rollout.placement == "split"
-                  else ", lower rollout.gpu_memory_utilization or turn on rollout.sleep_between_steps")
-        raise ConfigError(f"{plan}\nThe run does not fit this GPU: set trainer.max_tokens_per_micro_batch{engine} "
-                          "(or start anyway with trainer.check_memory=false: the plan is an estimate)")
-    if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / rundir.MEMORY_PLAN).write_text(plan + "\n")
-        if device_gb:
-            log.info("%s", plan)
+
+    def plan_or_stop(max_model_len: int | None) -> None:
+        plan, fits = plan_text(cfg, world, device_gb, max_model_len)
+        if device_gb and not fits and t.check_memory:  # GPU only; unverified here
+            engine = ("" if cfg.rollout.placement == "split"
+                      else ", lower rollout.gpu_memory_utilization or turn on rollout.sleep_between_steps")
+            raise ConfigError(f"{plan}\nThe run does not fit this GPU: set trainer.max_tokens_per_micro_batch"
+                              f"{engine} (or start anyway with trainer.check_memory=false: the plan is an estimate)")
+        if rank == 0:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / rundir.MEMORY_PLAN).write_text(plan + "\n")
+            if device_gb:
+                log.info("%s", plan)
+
+    plan_or_stop(None)
     checkpoint.check_shared_filesystem(run_dir)
 
     # Model and data. Every rank resolves: a file lock in gapo.models lets one process per filesystem build or
@@ -157,6 +162,8 @@ def setup(cfg: Config, rank: int, world: int, remote: split.RemoteEngine | None)
     # theirs (serve_rollouts) once this rank's leader has told them the run's directory, while the actor loads here.
     max_model_len = max(d.max_prompt_tokens + max(r.max_new_tokens, ev.max_new_tokens),
                         context_length(benches, tokenizer, ev.instruction, ev.max_new_tokens, positions))
+    if max_model_len > d.max_prompt_tokens + max(r.max_new_tokens, ev.max_new_tokens):
+        plan_or_stop(max_model_len)  # a benchmark's longest prompt sets the engine's context (gapo.evaluation)
     if remote is not None:  # its generator builds the engine meanwhile (and is stopped with this rank, if it fails)
         remote.hello(model_dir, str(run_dir), max_model_len)
     # Rollouts sampled ahead of the checkpoint: only the same placement, ranks and staleness train on them. Checked
