@@ -1,7 +1,8 @@
 """Run under torchrun by test_lora.py: in bf16 a LoRA layer computes with its merged weight (actor.py,
 compute_with_merged_weights), a forward DeepSpeed does not see call the modules that own the weights. Is the adapters'
 gradient through the ZeRO-3 actor (weights partitioned, prompts shared so that every layer runs twice per forward,
-micro-batches over ranks) the one a plain torch backward gives? Writes one JSON result per rank."""
+micro-batches over ranks) the one a plain torch backward gives? Writes one JSON result per rank. Device-agnostic:
+bench/gpu/check.py runs it on a GPU (the references then run on the same device, the same kernels)."""
 
 import json
 import sys
@@ -63,6 +64,7 @@ def main(out_path: str, stage: int) -> None:
     assert [mb.shared is not None for mb in mbs] == [True, False, True, False]
     tokens = sum(float(mb.resp_mask.sum()) for mb in mbs)
     for mb in mbs[rank * micro:(rank + 1) * micro]:
+        mb = mb.to(actor.device)
         lp, _ = actor.deepspeed(mb, 1.0)
         actor.backward(-(lp * mb.resp_mask).sum() / tokens)
     ds_norm = actor.grad_norm()
@@ -71,12 +73,12 @@ def main(out_path: str, stage: int) -> None:
 
     def reference_norm(dtype: torch.dtype) -> float:
         """bf16: the same merged forward, no DeepSpeed; fp32: PEFT's own forward (LoRA's gradient, unrounded)."""
-        ref = with_lora(AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype), cfg.model.lora)
+        ref = with_lora(AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype), cfg.model.lora).to(actor.device)
         params = dict(ref.named_parameters())
         with torch.no_grad():
             for name, t in start.items():
                 params[name].copy_(t)
-        plain = [MicroBatch.pack(p, r, 0) for p, r in zip(prompts, responses, strict=True)]
+        plain = [MicroBatch.pack(p, r, 0).to(actor.device) for p, r in zip(prompts, responses, strict=True)]
         total = sum(-(response_logprobs(ref.get_decoder(), ref.get_output_embeddings(), mb, 1.0)[0].float()
                       * mb.resp_mask).sum() for mb in plain) / tokens
         total.backward()

@@ -1,5 +1,6 @@
 """bench/gpu/check.sh, the script a first GPU runs, passes its CPU smoke run: the same code paths (the loop with the
-DeepSpeed actor in bf16, the NaN-step skip, vLLM's weight push, the engine freed, the one-GPU recipe) at toy size,
+DeepSpeed actor in bf16, the offloaded optimizer with the transformers engine, the LoRA gradient against PEFT's, the
+NaN-step skip, vLLM's weight push, the engine freed, the one-GPU recipe) at toy size,
 and one table in which every row that ran passes and every row that could not run on a CPU reads SKIP with its
 reason. Its row logic, on its own and fast: a machine without a GPU gets the whole table, all SKIP, exit 0; a row
 whose dependency is missing reads SKIP and never runs; a step that raises fails its rows, and the table is still
@@ -26,7 +27,12 @@ def test_the_gpu_check_passes_its_cpu_smoke_run(tmp_path):
     status = {x["check"]: x["status"] for x in rows}
     assert status == {"CUDA device": "SKIP", "model shape": "INFO", "rl step throughput": "INFO",
                       "peak memory vs plan": "SKIP", "skipped steps": "PASS", "reward scoring errors": "PASS",
-                      "first mini-batch IS deviation": "PASS",
+                      "first mini-batch IS deviation": "PASS", "bf16 push probe difference": "PASS",
+                      "offloaded optimizer: 2 steps, hf engine": "PASS",
+                      "offloaded optimizer: peak GPU memory vs plan": "SKIP",
+                      "offloaded optimizer: peak host memory vs plan": "SKIP",
+                      "LoRA gradient: merged forward under DeepSpeed vs plain torch": "PASS",
+                      "LoRA gradient: DeepSpeed bf16 vs PEFT fp32": "PASS",
                       "NaN step skipped": "PASS", "vLLM weight push into zeroed weights": "PASS",
                       "vLLM weight checksums after the push": "SKIP", "vLLM sleep / wake": "SKIP",
                       "vLLM engine freed": "PASS", "gapo-train end to end": "PASS",

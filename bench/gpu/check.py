@@ -16,25 +16,29 @@ on one whose GPU torch cannot see, the device row fails.
    tokens/s and MFU (INFO), peak allocated memory against the memory plan's share without its OVERHEAD allowance
    (which allocated memory cannot see; within 15 %), skipped steps (0), reward scoring errors (0: a node without
    math-verify scored every boxed answer "error" and trained on).
-3. first mini-batch IS deviation: max |log pi - log pi_old| where pi = pi_old; must be exactly 0 (one SDPA kernel
+   The first mini-batch's IS deviation: max |log pi - log pi_old| where pi = pi_old; must be exactly 0 (one SDPA kernel
    for both passes: gapo/trainer/actor.py attention_backend).
-4. NaN step: a non-finite loss is skipped: weights, optimizer state and learning rate untouched.
-5. vLLM (SKIP without a vLLM for this device): the engine's weights are zeroed (vLLM's reset_weights), then the
+   The push probe's bf16 difference on this device (transformers' forward against DeepSpeed's, two kernels): what
+   the bf16 probe calibrates on (INFO on how it compares with the floor); every push verified.
+3. offloaded optimizer (no vLLM needed): the one-GPU recipe's trainer path, ZeRO-2 with the optimizer on the host
+   (pinned buffers, torch's fused CPU AdamW on the rank's share of the cores), two short steps at the same shape;
+   peak GPU and host memory against the plan (GPU only).
+4. LoRA (no vLLM needed): tests/dist_lora_check.py on this device: the adapters' gradient through the DeepSpeed actor
+   (bf16 layers computing with the merged weight they push) against the same merge in plain torch (1 %) and PEFT's
+   fp32 forward (6 %).
+5. NaN step: a non-finite loss is skipped: weights, optimizer state and learning rate untouched.
+6. vLLM (SKIP without a vLLM for this device): the engine's weights are zeroed (vLLM's reset_weights), then the
    actor's gathered weights are pushed through gapo.trainer.sync (names, version and probe verified): the first
    tokens must equal those before the reset, and on a GPU vLLM's weight checksums those before it; a sleep/wake cycle
    around a push. Then the engine is closed (VLLMEngine.close): its at-leave entry gone, its model collected, and on a
-   GPU as much free memory as the gapo-train rows' vLLM asks for (the engine, kept alive by that entry, made row 6
-   fail on every GPU host).
-6. gapo-train end to end on every GPU of the node (tiny-qwen2, GQA, bf16, ZeRO-3 when there are two or more: the
+   GPU as much free memory as the gapo-train rows' vLLM asks for (after emptying PyTorch's cache).
+7. gapo-train end to end on every GPU of the node (tiny-qwen2, GQA, bf16, ZeRO-3 when there are two or more: the
    NCCL start and ZeRO-3's gather into vLLM): exit 0, every push verified, no traceback on the console.
-7. one-GPU recipe: configs/qwen_math_1gpu.yaml's rollout and trainer settings (optimizer offload, vLLM sleep mode, its
+8. one-GPU recipe: configs/qwen_math_1gpu.yaml's rollout and trainer settings (optimizer offload, vLLM sleep mode, its
    memory share, the token budget) on tiny-qwen2, one GPU: sleep -> train -> wake -> push, 2 steps, every push
    verified. The CPU smoke run has sleep mode off (vLLM refuses it on the CPU), and its sleep row reads SKIP.
-Exits 1 if any row fails. Run on one H200 (2026-12-04; torch 2.11 + transformers 5.17 of the node, the rest from
-.whl/, no vLLM): rows 0-4 ran in 7.9 min (Qwen2.5-1.5B shape; two steps with transformers generating 64 x 512 tokens,
-~2.3 min each) and passed: peak 38.2 GiB allocated against a plan of 38.7, IS deviation 0, NaN step skipped; 7,593
-update tokens/s, MFU 7.7 %. The vLLM rows (5-7) read SKIP there: their paths, written from vLLM 0.32's source, have
-not run on a GPU (unverified on a GPU).
+Exits 1 if any row fails. Results of the runs so far: docs/PERFORMANCE.md §6 (rows that have not run on a GPU are
+unverified there).
 """
 
 from __future__ import annotations
@@ -214,6 +218,65 @@ def rl_step(state: dict) -> None:
         all(e == 0.0 for e in errors))
     devs = [x["first_dev"] for x in res["steps"]]
     row("first mini-batch IS deviation", ", ".join(f"{d:g}" for d in devs), "exactly 0", all(d == 0.0 for d in devs))
+    from gapo.trainer.sync import BF16_FLOOR
+
+    probes = [x["probe_diff"] for x in res["steps"]]
+    # the engine here is transformers' bf16 forward, the trainer DeepSpeed's: this device's kernel difference, which
+    # the bf16 probe calibrates on (gapo/trainer/sync.py: 10x the first push's, within [0.05, 0.25])
+    row("bf16 push probe difference", ", ".join("none" if d is None else f"{d:.3g}" for d in probes),
+        f"every push verified (a first push above the floor {BF16_FLOOR:g} sets the limit to 10x it)",
+        all(d is not None for d in probes))
+
+
+def offload_step(state: dict) -> None:
+    """The one-GPU recipe's training path without vLLM (rollout.engine=hf): the optimizer offloaded (ZeRO-2, pinned
+    host buffers on a GPU, torch's fused AdamW stepping on the host with this process's threads), two steps at the
+    model's shape with short responses; peak GPU and host memory against the plan. GPU rows unverified on a GPU."""
+    import rl_steps
+
+    res = rl_steps.run(state["cpu_smoke"], new_tokens=128, prompts=4, out=state["out"] / "offload",
+                       shape=state.get("shape", ""), model=state["model_dir"], offload=True)
+    share = int(os.environ.get("OMP_NUM_THREADS", "0"))
+    skipped = sum(x["skipped"] for x in res["steps"])
+    row("offloaded optimizer: 2 steps, hf engine",
+        f"ZeRO-{res['zero_stage']}, {res['threads']} threads for the fused CPU AdamW ({share} shared to this rank), "
+        f"skipped {skipped}, train " + ", ".join(f"{x['train_s']:.1f}" for x in res["steps"]) + " s per step",
+        "both steps applied, the optimizer on the rank's share of the cores",
+        skipped == 0 and res["zero_stage"] == 2 and res["threads"] == share)
+    if res["peak_gib"] is None:
+        skip("offloaded optimizer: peak GPU memory vs plan", "no CUDA allocator on the CPU")
+        skip("offloaded optimizer: peak host memory vs plan", "on the CPU the host holds everything, not the offload")
+        return
+    row("offloaded optimizer: peak GPU memory vs plan", f"{res['peak_gib']:.1f} GiB allocated, plan "
+        f"{res['plan_gib']:.1f} GiB (tensors)", "within 15 % above the plan", res["peak_gib"] <= 1.15 * res["plan_gib"])
+    weights = res["params"] * 2 / 2**30  # a bf16 copy while the model loads
+    row("offloaded optimizer: peak host memory vs plan", f"{res['host_gib']:.1f} GiB above the start, plan "
+        f"{res['plan_host_gib']:.1f} GiB of offloaded states + {weights:.1f} GiB of weights loading",
+        "within 15 % above the plan", res["host_gib"] <= 1.15 * (res["plan_host_gib"] + weights))
+
+
+def lora_step(state: dict) -> None:
+    """tests/dist_lora_check.py on this device (1 rank, ZeRO-3): the adapters' gradient through the DeepSpeed actor,
+    whose bf16 LoRA layers compute with the merged weight they push, against the same merge in plain torch (same
+    kernels) and against PEFT's own fp32 forward (LoRA's gradient, up to bf16), with test_lora.py's bounds."""
+    out = state["out"] / "lora" / "result"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1",
+                        "tests/dist_lora_check.py", str(out), "3"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=600)
+    if r.returncode != 0:
+        raise RuntimeError(f"tests/dist_lora_check.py exited {r.returncode}: {r.stderr[-800:]}")
+    res = json.loads(Path(f"{out}.0").read_text())
+    where = "CPU" if state["cpu_smoke"] else "GPU"
+    row("LoRA gradient: merged forward under DeepSpeed vs plain torch",
+        f"{res['ds']:.5g} vs {res['merged_bf16']:.5g} ({where}, bf16, {res['lora_layers_merged']} layers merged)",
+        "within 1 % (the same merged weights and kernels)",
+        abs(res["ds"] - res["merged_bf16"]) <= 1e-2 * abs(res["merged_bf16"]) and res["lora_layers_merged"] > 0)
+    row("LoRA gradient: DeepSpeed bf16 vs PEFT fp32", f"{res['ds']:.5g} vs {res['peft_fp32']:.5g}",
+        "within 6 % (bf16's rounding; a wrong scale halves or doubles it)",
+        abs(res["ds"] - res["peft_fp32"]) <= 6e-2 * abs(res["peft_fp32"]))
 
 
 def nan_step(state: dict) -> None:
@@ -439,7 +502,15 @@ STEPS = (
     Step(model_step, (("model shape", "the largest shape planned within the GPU"),)),
     Step(rl_step, (("rl step throughput", "a figure"), ("peak memory vs plan", "within 15 % above the plan"),
                    ("skipped steps", "0"), ("reward scoring errors", "0"),
-                   ("first mini-batch IS deviation", "exactly 0")), needs=needs_model),
+                   ("first mini-batch IS deviation", "exactly 0"),
+                   ("bf16 push probe difference", "every push verified")),
+         needs=needs_model),
+    Step(offload_step, (("offloaded optimizer: 2 steps, hf engine", "both steps applied"),
+                        ("offloaded optimizer: peak GPU memory vs plan", "within 15 % above the plan"),
+                        ("offloaded optimizer: peak host memory vs plan", "within 15 % above the plan")),
+         needs=needs_model),
+    Step(lora_step, (("LoRA gradient: merged forward under DeepSpeed vs plain torch", "within 1 %"),
+                     ("LoRA gradient: DeepSpeed bf16 vs PEFT fp32", "within 6 %"))),
     Step(nan_step, (("NaN step skipped", "not applied, weights and lr unchanged"),), needs=needs_model),
     Step(vllm_cycle, (("vLLM weight push into zeroed weights", "verified, the first tokens as before the reset"),
                       ("vLLM weight checksums after the push", "equal to those before the reset"),

@@ -57,8 +57,9 @@ def build_model(out: Path, shape: dict) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def config(model: Path, run_dir: Path, prompts: int, new: int):
-    """The two steps' config (the transformers engine, ZeRO-3 as configured, one rank: stage 1 in bf16)."""
+def config(model: Path, run_dir: Path, prompts: int, new: int, offload: bool = False):
+    """The two steps' config (the transformers engine, ZeRO-3 as configured, one rank: stage 1 in bf16; `offload`:
+    the one-GPU recipe's optimizer offload, ZeRO-2 with torch's fused AdamW stepping on the host)."""
     from gapo.config import resolve
 
     rollouts = prompts * 8
@@ -69,7 +70,8 @@ def config(model: Path, run_dir: Path, prompts: int, new: int):
         "reward": {"math_last_number_fallback": True},
         "trainer": {"output_dir": str(run_dir), "total_steps": 2, "zero_stage": 3, "lr": 1e-6,
                     "ppo_mini_batch_size": rollouts // 2, "micro_batch_size": 8,
-                    "max_tokens_per_micro_batch": 4 * (128 + new)},
+                    "max_tokens_per_micro_batch": 4 * (128 + new),
+                    "offload": {"optimizer": "cpu" if offload else "none"}},
         "tracking": {"wandb": False},
     })
 
@@ -96,10 +98,24 @@ def pick_shape(device_gib: float, prompts: int, new_tokens: int) -> tuple[str | 
     return next((name for name, gib in plans.items() if gib <= HEADROOM * device_gib), None), plans
 
 
+def host_rss(peak: bool = False) -> int:
+    """This process's resident memory in bytes, or its peak since the last reset_host_peak (VmHWM)."""
+    key = "VmHWM:" if peak else "VmRSS:"
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
+
+def reset_host_peak() -> None:
+    """VmHWM back to the current resident size (Linux >= 4.0), so that a peak read later is this run's."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
 def run(cpu_smoke: bool, new_tokens: int, prompts: int, out: Path, shape: str = "Qwen2.5-1.5B",
-        model: Path | None = None) -> dict:
+        model: Path | None = None, offload: bool = False) -> dict:
     """The two steps at SHAPES[shape] (TOY with cpu_smoke), or with the model built already in `model` (check.py
-    builds it once for its rows); returns what check.py tabulates (and main prints)."""
+    builds it once for its rows); returns what check.py tabulates (and main prints): per step the throughput, the
+    first mini-batch's deviation, the push probe's difference; the peaks of GPU and host memory against the plan."""
     new = 16 if cpu_smoke else new_tokens
     prompts = 2 if cpu_smoke else prompts
     shutil.rmtree(out, ignore_errors=True)
@@ -113,10 +129,12 @@ def run(cpu_smoke: bool, new_tokens: int, prompts: int, out: Path, shape: str = 
 
     rollouts = prompts * 8
     out.mkdir(parents=True, exist_ok=True)
-    cfg = config(model, out / "run", prompts, new)
+    cfg = config(model, out / "run", prompts, new, offload)
     (out / "rl_steps.yaml").write_text(dump_config(cfg))
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
+    host_before = host_rss()
+    reset_host_peak()
     # In this process (its peak memory is read below), --verbose: without it gapo-train points this process's
     # stdout and stderr at the run's train.log for good, and the check's table would go there too.
     if train_main(["--config", str(out / "rl_steps.yaml"), "--verbose"]):
@@ -133,10 +151,15 @@ def run(cpu_smoke: bool, new_tokens: int, prompts: int, out: Path, shape: str = 
         steps.append({"step": x["step"], "tokens_per_s": tokens / x["time/train_s"],
                       "mfu": (6 * cfg.trainer.ppo_epochs + 2) * params * tokens / seconds / PEAK_FLOPS,
                       "first_dev": x["first_minibatch/max_abs_log_ratio"], "generate_s": x["time/generate_s"],
-                      "skipped": x["skipped_steps"], "scoring_errors": x["reward/error_frac"]})
+                      "skipped": x["skipped_steps"], "scoring_errors": x["reward/error_frac"],
+                      "train_s": x["time/train_s"], "probe_diff": x.get("sync/probe_logprob_diff")})
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+    from gapo.memory import memory_plan
+
     return {"params": params, "rollouts": rollouts, "new": new, "steps": steps, "peak_gib": peak,
-            "plan_gib": predicted / 2**30, "model_dir": str(model)}
+            "plan_gib": predicted / 2**30, "model_dir": str(model), "threads": torch.get_num_threads(),
+            "host_gib": (host_rss(peak=True) - host_before) / 2**30, "zero_stage": cfg.zero_stage(1),
+            "plan_host_gib": memory_plan(cfg, facts, world=1, device_gb=device_gib()).host_states / 2**30}
 
 
 def device_gib() -> float:
