@@ -237,7 +237,7 @@ def offload_step(state: dict) -> None:
     res = rl_steps.run(state["cpu_smoke"], new_tokens=128, prompts=4, out=state["out"] / "offload",
                        shape=state.get("shape", ""), model=state["model_dir"], offload=True)
     share = int(os.environ.get("OMP_NUM_THREADS", "0"))
-    skipped = sum(x["skipped"] for x in res["steps"])
+    skipped = int(sum(x["skipped"] for x in res["steps"]))
     row("offloaded optimizer: 2 steps, hf engine",
         f"ZeRO-{res['zero_stage']}, {res['threads']} threads for the fused CPU AdamW ({share} shared to this rank), "
         f"skipped {skipped}, train " + ", ".join(f"{x['train_s']:.1f}" for x in res["steps"]) + " s per step",
