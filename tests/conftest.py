@@ -76,12 +76,40 @@ def pytest_runtest_protocol(item, nextitem):
         _current.pop()
 
 
+# --------------------------------------------------------------------------------------------------
+# Side by side: `make test` and `make test-all` run two workers (pytest-xdist, --dist loadgroup; issue 58)
+# --------------------------------------------------------------------------------------------------
+# A module's tests run on one worker, so that its module-scoped set-ups are built once, and modules that must not
+# overlap, or that share a set-up (`once`), form one group:
+GROUPS = {
+    # the 1-rank tiny_cpu reference run (test_checkpoint.reference) that test_lora's runs are compared with
+    "test_checkpoint": "checkpoints", "test_lora": "checkpoints",
+    # sandboxed programs run as the user nobody, whose process limit (RLIMIT_NPROC: the fork-bomb test fills it) and
+    # process list (test_sandbox's "nothing left behind") are the whole machine's
+    **dict.fromkeys(("test_sandbox", "test_reward_code", "test_leetcode_harness", "test_reward_registry",
+                     "test_paper_configs"), "sandbox"),
+}
+# The longest groups first (docs/TESTING.md, the --durations table), so that the other worker takes the short ones
+# meanwhile instead of being left with one long group at the end; the rest in file order.
+FIRST = ()
+
+
+def group_of(item: pytest.Item) -> str:
+    module = item.path.stem
+    return GROUPS.get(module, module)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook turns the xdist_group marks into node ids
 def pytest_collection_modifyitems(config, items):
     missing = [item.nodeid for item in items
                if "torchrun" in getattr(item, "fixturenames", ()) and item.get_closest_marker("dist") is None]
     if missing:
         raise pytest.UsageError("tests using the torchrun fixture must be marked @pytest.mark.dist: "
                                 + ", ".join(missing))
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(group_of(item)))
+    rank = {group: i for i, group in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(group_of(item), len(FIRST)))  # stable: file order within a group
 
 REPO = Path(__file__).resolve().parents[1]
 

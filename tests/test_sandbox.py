@@ -41,15 +41,27 @@ WRONG_SOLUTION = "class Solution:\n    def total(self, nums: List[int]) -> int:\
 
 
 def _nobody_processes() -> list[int]:
-    found = []
+    """Processes running as nobody that this test started (its descendants) or that escaped to init (parent 1). A
+    sandboxed program of another test process running beside this one (pytest -n) is neither."""
+    parent, nobody = {}, []
     for status in Path("/proc").glob("[0-9]*/status"):
         try:
-            uid_line = next(line for line in status.read_text().splitlines() if line.startswith("Uid:"))
+            fields = dict(line.split(":", 1) for line in status.read_text().splitlines() if ":" in line)
         except (FileNotFoundError, ProcessLookupError):
             continue  # the process ended while we looked
-        if int(uid_line.split()[1]) == NOBODY_UID:
-            found.append(int(status.parent.name))
-    return found
+        pid = int(status.parent.name)
+        parent[pid] = int(fields["PPid"])
+        if int(fields["Uid"].split()[0]) == NOBODY_UID:
+            nobody.append(pid)
+
+    def ours(pid: int) -> bool:
+        while pid > 1:
+            pid = parent.get(pid, 0)
+            if pid == os.getpid():
+                return True
+        return False
+
+    return [pid for pid in nobody if parent.get(pid) in (0, 1) or ours(pid)]
 
 
 def _zombie_children() -> list[int]:
