@@ -89,8 +89,8 @@ GROUPS = {
     **dict.fromkeys(("test_sandbox", "test_reward_code", "test_leetcode_harness", "test_reward_registry",
                      "test_paper_configs"), "sandbox"),
 }
-# The longest groups first (docs/TESTING.md, the --durations table), so that the other worker takes the short ones
-# meanwhile instead of being left with one long group at the end; the rest in file order.
+# The longest groups first (docs/PERFORMANCE.md §13, the --durations table), so that the other worker takes the short
+# ones meanwhile instead of being left with one long group at the end; the rest in file order.
 FIRST = ()
 
 
