@@ -1,0 +1,166 @@
+"""The laptop experiment's endpoints (experiments/demo_mechanism_plan.md): the paper's Figs. 1, 3 and 5 as quantities
+of one run each, so that seeds are the units and two rules' runs pair by trainer.seed.
+
+Why per run: a pooled count mixes the runs' trajectories, and the rule under test changes the trajectory (which c
+arise, how far ratios drift), so pooled decisions are neither independent nor comparable across arms. One number per
+run, then a test across seeds, keeps every seed and asks each the same question.
+
+- E1, the premise (Fig. 1: "scarce correct rollouts move away ... substantially faster"): in each run, the slope of
+  the correct off-policy decisions' log sequence ratio on their advantage (k - c)/k (least squares); and, judged on
+  the same ratios, the slope of the probability that a fixed upper bound clips them. Across seeds: the mean slope,
+  its t interval, the one-sample t and the exact sign-flip p.
+- E2 (Fig. 5): a run's mean over steps of `is_adv_corr` (Pearson's r of the IS ratio and the advantage in a step),
+  GAPO minus a fixed rule, paired by seed.
+- E3 (Fig. 3): whether a correct decision was clipped, against rule x advantage, as a logistic model over every
+  seed's decisions, with seeds as clusters. A GEE (statsmodels, exchangeable working correlation) with the
+  Mancl-DeRouen bias-reduced sandwich, which holds with few clusters; not seed fixed effects, which diverge for a seed
+  whose run never clipped (at clip rates near 0.1 over a few dozen decisions that happens) and would drop it. The
+  rule x advantage interaction is the endpoint: under GAPO the clip probability should fall with the advantage
+  relative to the fixed rule. Beside it, each run's advantage-weighted clip share (the share of the correct
+  decisions' advantage that clipping removed: where the signal is), paired by seed.
+
+A decision is one off-policy update of one rollout with A > 0 (the step's first optimizer step is on-policy and
+cannot clip), read from rollouts.jsonl (trainer.log_rollouts).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from gapo.study.band import read_rollouts
+from gapo.study.figures import PlotError
+from gapo.study.seeds import paired_t, sign_flip_p
+
+
+@dataclass(frozen=True)
+class Decisions:
+    """One run's correct off-policy decisions, one entry each."""
+
+    adv: np.ndarray  # [N] (k - c)/k
+    ratio: np.ndarray  # [N] the sequence IS ratio at the update
+    clipped: np.ndarray  # [N] bool: the run's own rule clipped it (its upper bound)
+
+    def __len__(self) -> int:
+        return len(self.adv)
+
+
+def decisions(run_dir: Path) -> Decisions:
+    adv, ratio, clipped = [], [], []
+    for rec in read_rollouts(run_dir):
+        if float(rec["adv"]) <= 0:
+            continue
+        for u in rec["updates"]:
+            if u.get("off_policy", abs(float(u["is_ratio"]) - 1) >= 1e-4):  # older logs: band.LEGACY_ON_POLICY
+                adv.append(float(rec["adv"]))
+                ratio.append(float(u["is_ratio"]))
+                clipped.append(int(u.get("clip_hi_tokens", 0)) > 0)
+    return Decisions(np.array(adv), np.array(ratio), np.array(clipped, dtype=bool))
+
+
+def slope(x: np.ndarray, y: np.ndarray) -> float:
+    """Least-squares slope of y on x; NaN where x does not vary (every decision of one c: no gradient to see)."""
+    if len(x) < 2 or np.ptp(x) == 0:
+        return float("nan")
+    xc = x - x.mean()
+    return float((xc * (y - y.mean())).sum() / (xc * xc).sum())
+
+
+def premise(d: Decisions, fixed_eps_hi: list[float]) -> dict[str, float]:
+    """E1 for one run: the log-ratio slope, and per fixed upper bound (eps_hi) the clip-probability slope of the same
+    ratios judged under it."""
+    out = {"log ratio": slope(d.adv, np.log(d.ratio))}
+    for eps_hi in fixed_eps_hi:
+        out[f"P(clip) at 1 + {eps_hi:g}"] = slope(d.adv, (d.ratio > 1 + eps_hi).astype(float))
+    return out
+
+
+def mean_is_adv_corr(run_dir: Path) -> float:
+    """E2 for one run: is_adv_corr averaged over the steps that logged it."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise PlotError(f"{run_dir}: no metrics.jsonl")
+    values = [row["is_adv_corr"] for row in map(json.loads, path.read_text().splitlines())
+              if isinstance(row.get("is_adv_corr"), float) and math.isfinite(row["is_adv_corr"])]
+    return float(np.mean(values)) if values else float("nan")
+
+
+def weighted_clip_share(d: Decisions) -> float:
+    """E3's per-run figure: the share of the correct decisions' summed advantage whose update clipping removed."""
+    total = d.adv.sum()
+    return float(d.adv[d.clipped].sum() / total) if total > 0 else float("nan")
+
+
+@dataclass(frozen=True)
+class AcrossSeeds:
+    """One endpoint over the seeds: the per-seed values (or paired differences), their mean and t interval, the
+    one-sample t p-value and the exact sign-flip p."""
+
+    seeds: list[int]
+    values: np.ndarray
+    mean: float
+    lo: float
+    hi: float
+    p_t: float
+    p_flip: float
+
+
+def across_seeds(by_seed: dict[int, float]) -> AcrossSeeds:
+    """Every seed with a finite value, in seed order (a seed with none, e.g. no correct decision at all, says so by
+    its absence from `seeds`; it is not replaced)."""
+    seeds = sorted(s for s, v in by_seed.items() if math.isfinite(v))
+    values = np.array([by_seed[s] for s in seeds], dtype=float)
+    mean, lo, hi, p = paired_t(values)
+    return AcrossSeeds(seeds, values, mean, lo, hi, p, sign_flip_p(values))
+
+
+def paired(a: dict[int, float], b: dict[int, float]) -> dict[int, float]:
+    """a - b at the seeds both have (by trainer.seed)."""
+    return {s: a[s] - b[s] for s in sorted(set(a) & set(b))}
+
+
+@dataclass(frozen=True)
+class Interaction:
+    """E3's model term: the log odds ratio of clipping per unit of advantage under `rule` against the reference."""
+
+    rule: str
+    reference: str
+    estimate: float
+    lo: float
+    hi: float
+    p: float
+    decisions: int
+    clusters: int
+
+
+def clip_model(runs: dict[str, dict[int, Decisions]], reference: str, level: float = 0.95) -> list[Interaction]:
+    """P(clip) ~ rule + advantage + rule:advantage over every decision of every run in `runs` (label -> seed ->
+    decisions), seeds as clusters (module docstring); one Interaction per label other than `reference`. The same
+    seed's runs under different rules form one cluster: they share their start and their sampling seeds."""
+    import pandas as pd
+    import statsmodels.api as sm
+    import statsmodels.formula.api as smf
+
+    rows = [pd.DataFrame({"clip": d.clipped.astype(float), "adv": d.adv, "rule": label, "seed": seed})
+            for label, by_seed in runs.items() for seed, d in by_seed.items() if len(d)]
+    if not rows:
+        return []
+    data = pd.concat(rows, ignore_index=True)
+    others = [label for label in runs if label != reference]
+    names = {label: f"r{i}" for i, label in enumerate([reference, *others])}  # formula-safe rule names
+    data["rule"] = pd.Categorical(data["rule"].map(names), categories=list(names.values()))
+    model = smf.gee("clip ~ rule * adv", groups="seed", data=data, family=sm.families.Binomial(),
+                    cov_struct=sm.cov_struct.Exchangeable())
+    fit = model.fit(cov_type="bias_reduced")
+    ci = fit.conf_int(alpha=1 - level)
+    out = []
+    for label in others:
+        term = f"rule[T.{names[label]}]:adv"
+        out.append(Interaction(label, reference, float(fit.params[term]), float(ci.loc[term, 0]),
+                               float(ci.loc[term, 1]), float(fit.pvalues[term]), int(len(data)),
+                               int(data["seed"].nunique())))
+    return out

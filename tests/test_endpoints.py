@@ -1,0 +1,103 @@
+"""The laptop experiment's endpoints (gapo/study/endpoints.py), each against an independent computation or data with
+a known answer."""
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from gapo.study import endpoints as ep
+
+
+def write_run(path, records, metrics=()):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "rollouts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    return path
+
+
+def rollout(adv, c, updates):
+    return {"step": 1, "adv": adv, "c": c, "k": 8, "updates": [
+        {"is_ratio": s, "off_policy": off, "clip_hi_tokens": hi, "clip_lo_tokens": 0} for s, off, hi in updates]}
+
+
+def test_decisions_are_the_correct_off_policy_updates_only(tmp_path):
+    run = write_run(tmp_path / "r", [
+        rollout(0.875, 1, [(1.0, False, 0), (1.02, True, 5)]),  # on-policy first update: no decision
+        rollout(0.25, 6, [(1.0, False, 0), (0.999, True, 0)]),
+        rollout(-0.125, 1, [(1.0, False, 0), (0.97, True, 0)]),  # incorrect: the lower bound's, not here
+        rollout(0.0, 0, [(1.0, False, 0), (1.01, True, 0)]),  # no advantage, no gradient
+        {"step": 1, "adv": 0.5, "c": 4, "k": 8, "updates": [{"is_ratio": 1.00001}, {"is_ratio": 1.03,
+                                                                                      "clip_hi_tokens": 2}]},  # legacy
+    ])
+    d = ep.decisions(run)
+    assert d.adv.tolist() == [0.875, 0.25, 0.5]
+    assert d.ratio.tolist() == [1.02, 0.999, 1.03]
+    assert d.clipped.tolist() == [True, False, True]
+
+
+def test_slopes_are_least_squares():
+    g = np.random.default_rng(0)
+    x = g.choice([0.125, 0.25, 0.5, 0.875], 200)
+    y = 0.03 * x + g.normal(0, 0.01, 200)
+    assert ep.slope(x, y) == pytest.approx(np.polyfit(x, y, 1)[0], rel=1e-12)
+    assert np.isnan(ep.slope(np.full(5, 0.5), y[:5]))  # one c only: no gradient to see
+    d = ep.Decisions(x, np.exp(y), y > 0.01)
+    e1 = ep.premise(d, [0.003])
+    assert e1["log ratio"] == pytest.approx(np.polyfit(x, y, 1)[0], rel=1e-9)
+    assert e1["P(clip) at 1 + 0.003"] == pytest.approx(np.polyfit(x, (np.exp(y) > 1.003).astype(float), 1)[0])
+
+
+def test_weighted_clip_share_and_mean_correlation_by_hand(tmp_path):
+    d = ep.Decisions(np.array([0.875, 0.25, 0.5]), np.array([1.02, 1.0, 1.03]), np.array([True, False, True]))
+    assert ep.weighted_clip_share(d) == pytest.approx((0.875 + 0.5) / 1.625)
+    run = write_run(tmp_path / "r", [], [{"step": 1, "is_adv_corr": 0.2}, {"step": 2, "is_adv_corr": None},
+                                         {"step": 3, "is_adv_corr": 0.4}, {"step": 4}])
+    assert ep.mean_is_adv_corr(run) == pytest.approx(0.3)
+
+
+def test_across_seeds_keeps_every_seed_and_tests_exactly():
+    by_seed = {0: 0.3, 1: -0.1, 2: 0.5, 3: float("nan"), 4: 0.2, 5: 0.4}
+    r = ep.across_seeds(by_seed)
+    assert r.seeds == [0, 1, 2, 4, 5]  # the one with no value is absent, not replaced
+    v = np.array([0.3, -0.1, 0.5, 0.2, 0.4])
+    assert r.p_t == pytest.approx(stats.ttest_1samp(v, 0).pvalue)
+    flips = [abs(np.mean(np.array(s) * v)) for s in itertools.product([1, -1], repeat=len(v))]
+    assert r.p_flip == pytest.approx(np.mean([f >= abs(v.mean()) - 1e-12 for f in flips]))
+    assert ep.paired({0: 1.0, 1: 2.0, 3: 5.0}, {1: 0.5, 3: 1.0, 4: 9.0}) == {1: 1.5, 3: 4.0}
+
+
+def simulated(rng, seeds, interaction, per_run=40):
+    """Two rules' runs per seed whose clip log-odds are -2 + 3 adv (reference) and -2 + (3 + interaction) adv, with a
+    random seed effect shared by both runs of a seed."""
+    runs = {"fixed": {}, "adaptive": {}}
+    for seed in range(seeds):
+        u = rng.normal(0, 0.7)
+        for label, b in (("fixed", 3.0), ("adaptive", 3.0 + interaction)):
+            adv = rng.choice([0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875], per_run)
+            p = 1 / (1 + np.exp(-(-2 + u + b * adv)))
+            runs[label][seed] = ep.Decisions(adv, np.ones(per_run), rng.random(per_run) < p)
+    return runs
+
+
+def test_clip_model_recovers_a_planted_interaction_and_covers_it():
+    rng = np.random.default_rng(7)
+    [big] = ep.clip_model(simulated(rng, 60, -4.0, per_run=80), reference="fixed")
+    assert (big.rule, big.reference, big.clusters) == ("adaptive", "fixed", 60)
+    assert big.estimate == pytest.approx(-4.0, abs=1.0) and big.p < 1e-3  # (marginal odds shrink a little)
+    covered = 0
+    for _ in range(40):  # ten seeds, as the plan: the bias-reduced sandwich's interval covers at its level
+        [r] = ep.clip_model(simulated(rng, 10, 0.0), reference="fixed")
+        covered += r.lo <= 0.0 <= r.hi
+    assert covered >= 34, covered  # >= 85 % of 40 at a nominal 95 %
+
+
+def test_clip_model_keeps_a_seed_whose_runs_never_clipped():
+    rng = np.random.default_rng(3)
+    runs = simulated(rng, 8, -3.0)
+    for label in runs:
+        runs[label][0] = ep.Decisions(runs[label][0].adv, runs[label][0].ratio, np.zeros(40, dtype=bool))
+    [r] = ep.clip_model(runs, reference="fixed")
+    assert r.clusters == 8 and np.isfinite([r.estimate, r.lo, r.hi]).all()
