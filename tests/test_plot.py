@@ -155,6 +155,17 @@ def test_no_val_keys_skips_val_figures(tmp_path):
     assert "| mine | gapo | 0.2/0.28 adaptive |" in index
 
 
+def test_one_run_plots_into_its_own_folder_by_default(runs, capsys):
+    """`gapo-plot RUN_DIR`, as the README writes it: RUN_DIR/plots; several runs need --out, and say so with gapo's
+    exit code for a fix the user makes (errors.Exit.CONFIG)."""
+    from gapo.errors import Exit
+
+    assert main([str(runs[0])]) == 0
+    assert (runs[0] / "plots" / "index.md").is_file() and (runs[0] / "plots" / "clip_by_c.png").is_file()
+    assert main([str(runs[0]), str(runs[1])]) == Exit.CONFIG
+    assert "--out is needed with 2 run directories" in capsys.readouterr().err
+
+
 def test_missing_dir_and_missing_metrics(tmp_path, capsys):
     assert main([str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 2
     assert "nope" in capsys.readouterr().err

@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from gapo.errors import ConfigError
+from gapo.errors import ConfigError, Exit
 from gapo.study import band, seeds, tables
 from gapo.study.manifest import load_manifest
 
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         path = tables.write(load_manifest(args.manifest), args.output_root, args.out)
     except ConfigError as err:
         print(f"gapo-compare: {err}", file=sys.stderr)
-        return 2
+        return Exit.CONFIG
     print(f"gapo-compare: wrote {path}, {path.with_suffix('.csv').name} and the figures")
     return 0
 

@@ -21,6 +21,7 @@ from pydantic import ValidationError
 
 from gapo import console, rundir
 from gapo.config import CompileMode, ConfigError, DataConfig, Dtype, EngineKind, RewardConfig, load_config
+from gapo.errors import Exit
 from gapo.evaluation import (
     Bench,
     BenchResult,
@@ -194,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
                                      positions) for job in jobs)
     except ConfigError as err:
         print(f"gapo-eval: {err}", file=sys.stderr)
-        return 2
+        return Exit.CONFIG
     if not args.verbose:  # vLLM's and DeepSpeed's output to a log, as gapo-train's to train.log
         console.capture()
         # Beside the results, which replace their folder whole: --run's steps share one log, --out DIR gets DIR.log.

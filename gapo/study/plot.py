@@ -29,6 +29,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from gapo import rundir
+from gapo.errors import Exit
 from gapo.study.figures import (
     ALL_STEPS,
     REF_PREFIX,
@@ -535,7 +536,8 @@ def parse_args(argv: Iterable[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="gapo-plot", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (with metrics.jsonl)")
-    p.add_argument("--out", required=True, type=Path, help="directory for the PNGs and index.md")
+    p.add_argument("--out", type=Path, help="directory for the PNGs and index.md (default: RUN_DIR/plots with one run, "
+                                           "required with several)")
     p.add_argument("--labels", help="comma-separated legend labels, one per RUN_DIR, replacing the default "
                                     "'run_name (algorithm eps_lo/eps_hi)'")
     add_figure_options(p, "moving average over N logged steps for per-step curves", "window of clip_vs_c.png")
@@ -549,6 +551,11 @@ def parse_args(argv: Iterable[str] | None) -> argparse.Namespace:
 def main(argv: Iterable[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        if args.out is None:
+            if len(args.run_dirs) > 1:
+                raise PlotError(f"--out is needed with {len(args.run_dirs)} run directories (one run's figures go "
+                                "to RUN_DIR/plots by default)")
+            args.out = Path(args.run_dirs[0]) / "plots"
         smooth, window = figure_options(args)
         if args.rollouts_per_c < 1:
             raise PlotError(f"--rollouts-per-c must be >= 1, got {args.rollouts_per_c}")
@@ -571,7 +578,7 @@ def main(argv: Iterable[str] | None = None) -> int:
         figures = render(runs, args.out, smooth, window, rollout_steps, args.rollouts_per_c)
     except PlotError as e:
         print(f"gapo-plot: error: {e}", file=sys.stderr)
-        return 2
+        return Exit.CONFIG
     drawn = [n for n, f in figures.items() if f is not None]
     skipped = [n for n, f in figures.items() if f is None]
     print(f"gapo-plot: wrote {', '.join(drawn)} and index.md to {args.out}"

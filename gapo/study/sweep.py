@@ -30,6 +30,7 @@ from pathlib import Path
 
 from gapo import rundir
 from gapo.config import ConfigError, load_config
+from gapo.errors import Exit
 from gapo.study import slurm
 from gapo.study.budget import budget
 from gapo.study.manifest import Job, Manifest, Task, check, eval_commands, graph, jobs, load_manifest, local_command
@@ -77,7 +78,7 @@ def run_local(m: Manifest, js: list[Job], nproc: int) -> int:
         if resume is None and (j.out / rundir.METRICS).exists():
             print(f"gapo-sweep: {where}: {j.out} holds a run with no checkpoint to resume; remove it to start over",
                   file=sys.stderr)
-            return 2
+            return Exit.CONFIG
         cmd = j.command(nproc, resume=resume)
         print(f"gapo-sweep: {where}: {'resuming' if resume else 'starting'}: {shlex.join(cmd)}", flush=True)
         code = subprocess.call(local_command(cmd))
@@ -90,11 +91,11 @@ def run_local(m: Manifest, js: list[Job], nproc: int) -> int:
 def rehearse(m: Manifest, js: list[Job]) -> int:
     """Every distinct run once (its first seed), as `gapo-train --rehearse` would run it; a branch from its
     parent's rehearsed checkpoint (the kept step 1 of 2, see gapo/rehearse.py)."""
-    done: dict[str, Path] = {}
+    done: dict[Path, Path] = {}  # a run's directory -> its rehearsal's (a shared branch's parent is named by its owner)
     for j in (j for j in js if j.seed == m.seeds[0]):
         resume = None
         if j.parent is not None:
-            kept = rundir.checkpoints(done[j.parent.run.name])
+            kept = rundir.checkpoints(done[j.parent.out])
             if not kept:
                 print(f"gapo-sweep: the rehearsal of {j.parent.run.name} kept no checkpoint", file=sys.stderr)
                 return 1
@@ -104,7 +105,7 @@ def rehearse(m: Manifest, js: list[Job]) -> int:
         code = subprocess.call(local_command(cmd))
         if code:
             return code
-        done[j.run.name] = Path(f"{j.out}-rehearsal" + ("-resumed" if resume else ""))
+        done[j.out] = Path(f"{j.out}-rehearsal" + ("-resumed" if resume else ""))
     return 0
 
 
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             print(budget(m, js))
     except ConfigError as err:
         print(f"gapo-sweep: {err}", file=sys.stderr)
-        return 2
+        return Exit.CONFIG
     return 0
 
 
