@@ -37,7 +37,8 @@ def train_main(argv: list[str] | None = None) -> int:
     p.add_argument("--plan", metavar="GB[,GB...]", nargs="?", const="24,48,80",
                    help="print the memory plan per GPU for these GPU sizes (default 24,48,80) under each "
                         "trainer.offload option, which fit, and this config's own plan; then exit")
-    p.add_argument("--resume", metavar="PATH", help="run directory (its latest checkpoint) or checkpoint directory")
+    p.add_argument("--resume", metavar="PATH|auto", help="a run directory (its latest checkpoint), a checkpoint "
+                   "directory, or auto: the newest checkpoint of trainer.output_dir that verifies, else a fresh start")
     p.add_argument("--rehearse", action="store_true",
                    help="before a real run: resolve it exactly, check the model's context and the data, then train "
                         "2 steps on the CPU with a tiny model of the same family, the real settings otherwise kept "
@@ -143,13 +144,28 @@ def train_main(argv: list[str] | None = None) -> int:
     return Exit.OK  # (a generator rank of a split job returns no run_dir: its trainers report the run)
 
 
+# What a user sets first, listed before the long tail in --help.
+FIRST_FIELDS = ("model.path", "data.train", "algorithm.name", "trainer.lr", "rollout.group_size",
+                "rollout.prompts_per_step", "data.max_prompt_tokens", "rollout.max_new_tokens", "rollout.temperature",
+                "trainer.total_steps", "trainer.seed", "trainer.output_dir")
+
+
 def _fields_help() -> str:
-    """The described config fields, for --help."""
+    """The described config fields, for --help: the ones a user sets first, then the rest in the schema's order."""
+    described = dict(field_descriptions())
     lines = ["config fields, set in the YAML file or on the command line as section.field=value",
-             "(--print-config shows them all, with their values):"]
-    for name, text in field_descriptions():
+             "(--print-config shows them all, with their values). The ones set first:"]
+
+    def add(name: str, text: str) -> None:
         lines.append(f"  {name}")
-        lines += textwrap.wrap(text, 100, initial_indent=" " * 6, subsequent_indent=" " * 6)
+        lines.extend(textwrap.wrap(text, 100, initial_indent=" " * 6, subsequent_indent=" " * 6))
+
+    for name in FIRST_FIELDS:
+        add(name, described.get(name, ""))
+    lines.append("The others:")
+    for name, text in described.items():
+        if name not in FIRST_FIELDS:
+            add(name, text)
     return "\n".join(lines)
 
 

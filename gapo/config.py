@@ -277,7 +277,9 @@ class DataConfig(_Section):
     prompt_key: str = "problem"
     answer_key: str = "answer"
     instruction: str = MATH_INSTRUCTION
-    max_prompt_tokens: int = Field(512, gt=0)
+    max_prompt_tokens: int = Field(512, gt=0, description="A prompt's longest tokenized length; longer records are "
+                                                         "left out before training and listed in the run's "
+                                                         "dropped_records.jsonl.")
     on_invalid: Literal["drop", "error"] = Field(
         "drop", description="A record its rewarder cannot score (empty or null answer, tests that do not parse or "
                             "hold no case, an empty prompt), found before step 1: drop it (counted on the console, "
@@ -334,15 +336,17 @@ SPLIT_SHARE = 0.9
 
 class RolloutConfig(_Section):
     engine: EngineKind = "vllm"
-    group_size: int = Field(8, ge=2)
-    prompts_per_step: int = Field(8, ge=1)
-    temperature: float = Field(1.0, gt=0.0)
+    group_size: int = Field(8, ge=2, description="k: rollouts sampled per prompt (the group c counts correct ones in).")
+    prompts_per_step: int = Field(8, ge=1, description="Prompts per step over all ranks; a step trains on "
+                                                       "prompts_per_step x group_size rollouts.")
+    temperature: float = Field(1.0, gt=0.0, description="Sampling temperature; the trainer's log-probs use it too.")
     top_p: float = Field(
         1.0, gt=0.0, le=1.0, description="Nucleus sampling. Below 1 the engine's log-probs are renormalised over the "
                                          "kept tokens and the trainer's are not: refused with use_engine_logprobs "
                                          "or a rollout correction, and logprob_mismatch then measures the "
                                          "truncation, not the numerics.")
-    max_new_tokens: int = Field(256, gt=0)
+    max_new_tokens: int = Field(256, gt=0, description="A rollout's longest response; one that reaches it is "
+                                                       "truncated (rollout.mask_truncated leaves it out of the loss).")
     gpu_memory_utilization: float = Field(
         COLOCATED_SHARE, gt=0.0, le=1.0,
         description="vLLM: share of accelerator memory for weights + KV cache; ignored on CPU. Unset (or null): "
@@ -443,7 +447,7 @@ class TrainerConfig(_Section):
         None, description="The run's directory; null: runs/<config>/<method>/seed<seed>, the method being the "
                           "algorithm and the algorithm.* set on the command line (e.g. runs/qwen_math/"
                           "gspo-eps_hi5e-3/seed0), so that baselines and seeds never share one.")
-    total_steps: int = Field(10, ge=1)
+    total_steps: int = Field(10, ge=1, description="Steps to train (one step: sample, score, update, push).")
     save_every: int = Field(0, ge=0, description="0: only at the end.")
     keep_last: int = Field(2, ge=1, description="Checkpoints kept besides keep_steps and keep_every: the newest N.")
     keep_steps: list[int] = Field(
@@ -452,7 +456,7 @@ class TrainerConfig(_Section):
     keep_every: int = Field(0, ge=0, description="Never prune a checkpoint whose step is a multiple of this (the "
                                                  "steps a table or figure evaluates); 0: off.")
     eval_every: int = Field(0, ge=0)
-    lr: float = Field(1e-6, gt=0.0)
+    lr: float = Field(1e-6, gt=0.0, description="AdamW's peak learning rate (trainer.lr_schedule shapes it).")
     lr_schedule: Literal["constant", "cosine"] = "constant"
     warmup_steps: int = Field(0, ge=0)
     weight_decay: float = Field(0.0, ge=0.0)
@@ -477,7 +481,8 @@ class TrainerConfig(_Section):
         3, description="DeepSpeed ZeRO stage; with one rank, DeepSpeed runs at stage 0 (nothing to partition), "
                        "unless trainer.offload needs a stage.")
     offload: OffloadConfig = Field(default_factory=OffloadConfig)
-    seed: int = 0
+    seed: int = Field(0, description="Seeds the data order, the sampling and the initial RNGs: on CPU fp32 one "
+                                     "config and seed give the same metrics.")
     resume_from: str | None = Field(
         None, description="Continue from a checkpoint (a run directory -> its latest, or a checkpoint directory; "
                           "auto: this run's newest checkpoint that verifies, or a fresh start); `--resume` sets it. "
