@@ -185,6 +185,14 @@ def test_help_lists_the_described_fields(capsys):
     assert "\n  eval.protocol.table\n" in out
     model_path = " ".join(out.split("\n  model.path\n", 1)[1].split("\n  model.")[0].split())
     assert "Hugging Face hub id" in model_path and "Qwen/Qwen2.5-Math-1.5B" in model_path  # not only local folders
+    # what a user sets first comes first, each described, and once (issue 54)
+    from gapo.cli import FIRST_FIELDS
+
+    first, rest = out.split("The ones set first:", 1)[1].split("\nThe others:\n", 1)
+    listed = [line.strip() for line in first.splitlines() if line.startswith("  ") and not line.startswith("   ")]
+    assert listed == list(FIRST_FIELDS) and first.count("\n      ") >= len(FIRST_FIELDS)
+    assert not any(f"\n  {name}\n" in rest for name in FIRST_FIELDS)
+    assert "--resume PATH|auto" in out and "auto: the newest checkpoint" in " ".join(out.split())
 
 
 def test_overrides_stand_before_and_after_resume(capsys):
