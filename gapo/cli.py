@@ -33,7 +33,9 @@ def train_main(argv: list[str] | None = None) -> int:
                    help="print the fully resolved config (fields described in comments) and exit")
     p.add_argument("--verbose", action="store_true",
                    help="show every library's output on the console (by default it goes to <output_dir>/train.log)")
-    p.add_argument("--nproc", type=int, default=1, help="local ranks to start (torchrun); default 1")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="local ranks to start (torchrun); default 1, and for --print-config and --plan the ranks the "
+                        "config's own first-line command names")
     p.add_argument("--plan", metavar="GB[,GB...]", nargs="?", const="24,48,80",
                    help="print the memory plan per GPU for these GPU sizes (default 24,48,80) under each "
                         "trainer.offload option, which fit, and this config's own plan; then exit")
@@ -54,7 +56,11 @@ def train_main(argv: list[str] | None = None) -> int:
         print(f"gapo-train: {err}", file=sys.stderr)
         return Exit.CONFIG
     # The ranks a memory plan is for (split: not the engines'); only the plans use it: a launched rank's own
-    # arguments carry no --nproc.
+    # arguments carry no --nproc. A plan without --nproc is for the ranks the config is written for.
+    planned_for = "as given" if args.nproc else "the config's own command; --nproc N plans another"
+    if args.nproc is None and (args.print_config or args.plan is not None):
+        args.nproc = written_for(args.config)
+    args.nproc = args.nproc or 1
     trainers = args.nproc - cfg.rollout.generator_ranks
     if (args.print_config or args.plan is not None) and trainers < 1:
         print(f"gapo-train: rollout.generator_ranks={cfg.rollout.generator_ranks} of --nproc {args.nproc} leaves no "
@@ -70,6 +76,7 @@ def train_main(argv: list[str] | None = None) -> int:
         sys.stdout.write(dump_config(cfg, comments=True))
         # As YAML comments, so the output stays a config file.
         sys.stdout.write("".join(f"# {line}\n" for line in text.splitlines()))
+        sys.stdout.write(f"# planned for --nproc {args.nproc} ({planned_for})\n")
         return Exit.OK
     if args.plan is not None:
         from gapo.memory import offload_table, plan_text
@@ -148,6 +155,20 @@ def train_main(argv: list[str] | None = None) -> int:
 FIRST_FIELDS = ("model.path", "data.train", "algorithm.name", "trainer.lr", "rollout.group_size",
                 "rollout.prompts_per_step", "data.max_prompt_tokens", "rollout.max_new_tokens", "rollout.temperature",
                 "trainer.total_steps", "trainer.seed", "trainer.output_dir")
+
+
+def written_for(config: str) -> int:
+    """The --nproc of the command a config opens with (every shipped config's first line: `# gapo-train --config
+    ... --nproc 8`), 1 when it names none or the file cannot be read (load_config has said why already)."""
+    from gapo.config import find_config_file
+
+    try:
+        first = find_config_file(config).read_text().split("\n", 1)[0]
+    except (ConfigError, OSError):
+        return 1
+    words = first.split("(", 1)[0].split()  # the command, not the note after it ("add --nproc 2 for two ranks")
+    at = words.index("--nproc") + 1 if "--nproc" in words else len(words)
+    return int(words[at]) if at < len(words) and words[at].isdigit() else 1
 
 
 def _fields_help() -> str:

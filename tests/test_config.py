@@ -172,6 +172,21 @@ def test_print_config_describes_fields_in_comments(capsys):
     assert resolve(yaml.safe_load(out)) == load_config("tiny_cpu")
 
 
+@pytest.mark.parametrize("name, argv, ranks, why", [
+    ("qwen_math", [], 8, "the config's own command"),  # written for 8 GPUs: not planned on one (issue 54)
+    ("tiny_cpu", [], 1, "the config's own command"),  # its first line's note ("add --nproc 2") is not its command
+    ("qwen_math", ["--nproc", "4"], 4, "as given"),
+])
+def test_print_config_plans_the_ranks_the_config_is_written_for(capsys, name, argv, ranks, why):
+    from gapo.cli import train_main
+
+    assert train_main(["--config", name, "--print-config", *argv]) == 0
+    out = capsys.readouterr().out
+    assert f"# planned for --nproc {ranks} ({why}" in out
+    assert f", {ranks} rank{'s' if ranks > 1 else ''}, " in out
+    yaml.safe_load(out)  # still a config file
+
+
 def test_help_lists_the_described_fields(capsys):
     from gapo.cli import train_main
 
