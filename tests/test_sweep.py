@@ -651,3 +651,17 @@ eval: {protocol: qwen_math, steps: [500, 700, 1000]}
     assert str(branch.resume).endswith("table3_qwen/gspo_asym/seed0/checkpoints/step_000600")
     tasks = {t.name: t for t in graph(m, [parent, branch])}
     assert tasks["after600 seed 0"].depends_on == ("gspo seed 0",)
+
+
+def test_usage_shows_one_mode_is_required_and_the_eval_list_flag(capsys):
+    """Its usage line says a mode is required (it is), and --eval's companion is --list (issue 54)."""
+    from gapo.study.sweep import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["tiny"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "usage: gapo-sweep MANIFEST (--print | --run |" in err and "is required" in err
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "--eval [--list]" in out and "(--list: print" in out and "(--print: list)" not in out

@@ -7,7 +7,8 @@
     gapo-sweep FILE --run          the runs one after another here: finished ones skipped, interrupted ones resumed
     gapo-sweep FILE --rehearse     every distinct run of the file (seeds aside) rehearsed on the CPU, branches from
                                    their parent's rehearsed checkpoint
-    gapo-sweep FILE --eval         gapo-eval --run on every run's checkpoints under the file's protocol (--print: list)
+    gapo-sweep FILE --eval         gapo-eval --run on every run's checkpoints under the file's protocol (--list: print
+                                   the gapo-eval commands instead)
     gapo-sweep FILE --budget       GPUs, memory plan, estimated GPU-hours (training, evaluation) and checkpoint disk
     gapo-compare table FILE        then the table (markdown, CSV) and figures from the evaluations
 
@@ -122,7 +123,10 @@ def evaluate_all(m: Manifest, js: list[Job], show: bool) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    modes = " | ".join(["--print", "--run", "--rehearse", "--eval [--list]", "--budget",
+                        *(f"--{name} [DIR] [--eval]" for name in BACKENDS)])
     p = argparse.ArgumentParser(prog="gapo-sweep", description=__doc__.split("\n\n")[0],
+                                usage=f"%(prog)s MANIFEST ({modes}) [options]",
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n")[1])
     p.add_argument("manifest", help="experiments/NAME.yaml, or NAME")
     what = p.add_mutually_exclusive_group()
