@@ -165,7 +165,7 @@ def written_for(config: str) -> int:
     try:
         first = find_config_file(config).read_text().split("\n", 1)[0]
     except (ConfigError, OSError):
-        return 1
+        first = ""
     words = first.split("(", 1)[0].split()  # the command, not the note after it ("add --nproc 2 for two ranks")
     at = words.index("--nproc") + 1 if "--nproc" in words else len(words)
     return int(words[at]) if at < len(words) and words[at].isdigit() else 1

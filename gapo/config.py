@@ -588,7 +588,7 @@ class Config(_Section):
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
 
     @model_validator(mode="after")
-    def _batch_shapes(self) -> Config:
+    def _across_sections(self) -> Config:
         if self.algorithm.rollout_correction.mode != "off" and self.rollout.use_engine_logprobs:
             raise ValueError("algorithm.rollout_correction needs the trainer's own old log-probs: with "
                              "rollout.use_engine_logprobs=true pi_old is the engine's, so every ratio "
@@ -692,7 +692,8 @@ _Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|Tr
 
 
 def read_yaml(text: str) -> Any:
-    """Configs, overrides and manifests are read with this one loader."""
+    """Configs, overrides, manifests and the configs saved in runs and checkpoints are read with this one loader
+    (YAML 1.1's yes/no/on/off stay strings: only true/false are booleans)."""
     return yaml.load(text, Loader=_Loader)  # a SafeLoader: no arbitrary objects
 
 

@@ -20,8 +20,9 @@ Answer extraction (done in the parent, plain string scanning):
      stop or a line break, so a boxed intermediate result in an earlier sentence is still not read.
   2. Fallback when there is no box: the text after the LAST "answer is" / "answer:" phrase (any case,
      e.g. "The final answer is $3$.", "**Answer:** 42"), up to the end of its math delimiters or of the
-     sentence. There is deliberately no "last number in the text" fallback: it rewards responses that
-     ignore the requested format and matches stray numbers by accident.
+     sentence. By default there is no "last number in the text" fallback: it rewards responses that ignore
+     the requested format and matches stray numbers by accident. reward.math_last_number_fallback turns one
+     on (with_last_number, below) for a small model that rarely boxes, such as the CPU demo's.
   3. Nothing found -> status `no_answer`.
 
 Gold answers (the benchmark's answer field as stored):

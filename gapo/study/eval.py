@@ -16,11 +16,19 @@ import sys
 from pathlib import Path
 from typing import NamedTuple, get_args
 
-import yaml
 from pydantic import ValidationError
 
 from gapo import console, rundir
-from gapo.config import CompileMode, ConfigError, DataConfig, Dtype, EngineKind, RewardConfig, load_config
+from gapo.config import (
+    CompileMode,
+    ConfigError,
+    DataConfig,
+    Dtype,
+    EngineKind,
+    RewardConfig,
+    load_config,
+    read_yaml,
+)
 from gapo.errors import Exit
 from gapo.evaluation import (
     Bench,
@@ -266,7 +274,7 @@ def run_jobs(args: argparse.Namespace, run: Path) -> list[Job]:
             raise ConfigError(f"--run {run}: no checkpoint of step {', '.join(map(str, missing))} (kept: "
                               f"{', '.join(map(str, sorted(found)))}; trainer.keep_steps / keep_every keep a step "
                               "from pruning)")
-    saved = yaml.safe_load((found[steps[0]] / rundir.CONFIG).read_text())
+    saved = read_yaml((found[steps[0]] / rundir.CONFIG).read_text())
     if args.dtype is None:
         args.dtype = saved["model"]["dtype"]
     seed = args.seed if args.seed is not None else int(saved["trainer"]["seed"])

@@ -27,7 +27,7 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
 from gapo import rundir
-from gapo.config import AlgorithmConfig, ConfigError, resolve
+from gapo.config import AlgorithmConfig, ConfigError, read_yaml, resolve
 
 Series = list[tuple[int, float]]
 
@@ -163,14 +163,16 @@ def parse_metrics(path: Path) -> dict[int, dict[str, float | None]]:
     return records
 
 
-def load_config(run_dir: Path) -> dict:
+def run_config(run_dir: Path) -> dict:
+    """A run's saved config.yaml as raw sections (not resolved: a run of an older gapo may hold keys this one
+    dropped, and a figure only needs its labels and clip widths)."""
     path = run_dir / rundir.CONFIG
     if not path.is_file():
         print(f"gapo-plot: warning: {run_dir} has no {rundir.CONFIG}; labelling it by its directory name",
               file=sys.stderr)
         return {}
     try:
-        cfg = yaml.safe_load(path.read_text(encoding="utf-8"))
+        cfg = read_yaml(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
         raise PlotError(f"{path}: not valid YAML: {e}") from None
     if cfg is None:
@@ -188,7 +190,7 @@ def load_run(run_dir: str | Path, label: str | None = None) -> Run:
     if not metrics.is_file():
         raise PlotError(f"run directory {str(run_dir)!r} has no {rundir.METRICS} (is it a gapo-train output_dir?)")
     records = parse_metrics(metrics)
-    cfg = load_config(run_dir)
+    cfg = run_config(run_dir)
     series: dict[str, Series] = {}
     for step in sorted(records):
         for k, v in records[step].items():

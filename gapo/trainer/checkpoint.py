@@ -32,12 +32,11 @@ from typing import NamedTuple
 import numpy as np
 import torch
 import torch.distributed as dist
-import yaml
 from safetensors import SafetensorError
 from torch import Tensor
 
 from gapo import rundir
-from gapo.config import Config, ConfigError, dump_config, resolve
+from gapo.config import Config, ConfigError, dump_config, read_yaml, resolve
 from gapo.distributed import gather
 from gapo.faults import requested
 
@@ -311,7 +310,7 @@ def _prune(root: Path, keep: int, keep_steps: list[int] = (), keep_every: int = 
 def read(ckpt: Path) -> tuple[TrainerState, Config]:
     try:
         state = TrainerState(**json.loads((ckpt / rundir.STATE).read_text()))
-        saved = resolve(yaml.safe_load((ckpt / rundir.CONFIG).read_text()))
+        saved = resolve(read_yaml((ckpt / rundir.CONFIG).read_text()))
     except (OSError, ValueError, TypeError) as err:
         raise ConfigError(f"checkpoint {ckpt}: cannot read trainer.json / config.yaml ({err})") from None
     for must in ["ds/state", "hf/config.json"]:
