@@ -67,6 +67,9 @@ def exit_code(codes: set[int], received: set[int] = frozenset()) -> int | None:
     return None
 
 
+TORCHRUN_DEFAULT_RANKS = 1  # --nproc_per_node when not given
+
+
 def local_ranks(argv: list[str]) -> int | None:
     """torchrun's --nproc_per_node, in either spelling; None for 'gpu', 'auto' and the like, whose count this
     process cannot know before torchrun does (torchrun then hands each rank one thread, as before)."""
@@ -75,7 +78,7 @@ def local_ranks(argv: list[str]) -> int | None:
         if flag in ("--nproc_per_node", "--nproc-per-node"):
             value = value or (argv[i + 1] if i + 1 < len(argv) else "")
             return int(value) if value.isdigit() and int(value) > 0 else None
-    return 1  # torchrun's default
+    return TORCHRUN_DEFAULT_RANKS
 
 
 def main() -> int:
