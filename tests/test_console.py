@@ -154,10 +154,9 @@ def test_each_rank_gets_its_share_of_the_cores(monkeypatch, env, ranks, threads,
     cores out instead (issue 52 item 2); a user's OMP_NUM_THREADS wins."""
     from gapo.distributed import THREADS_WHY, share_cores
 
-    for key in ("OMP_NUM_THREADS", THREADS_WHY, "SLURM_CPUS_PER_TASK"):
-        monkeypatch.delenv(key, raising=False)
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
+    # share_cores writes os.environ: a copy of it here, so that nothing leaks into later tests of this process
+    monkeypatch.setattr(os, "environ", {**{k: v for k, v in os.environ.items()
+                                           if k not in ("OMP_NUM_THREADS", THREADS_WHY, "SLURM_CPUS_PER_TASK")}, **env})
     cores = len(os.sched_getaffinity(0))
     share_cores(ranks)
     expect = {"CORES/2": str(max(1, cores // 2)), "CORES": str(cores)}.get(threads, threads)

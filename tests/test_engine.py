@@ -133,7 +133,7 @@ def test_run_writes_metrics_config_and_wandb(runs, name):
     history = wandb_history(run)
     assert len(history) == 2 and EXPECTED_KEYS <= set(history[0])
     # each rank its share of the cores (gapo.launch), not torchrun's one thread per rank (issue 52 item 2)
-    share = os.environ.get("OMP_NUM_THREADS") or str(max(1, len(os.sched_getaffinity(0)) // RUNS[name][1]))
+    share = ENV.get("OMP_NUM_THREADS") or str(max(1, len(os.sched_getaffinity(0)) // RUNS[name][1]))
     assert f"threads    {share} per rank (" in (run.parent / "train.log").read_text()
     assert history[1]["reward/mean"] == pytest.approx(rows[1]["reward/mean"])
 
