@@ -91,7 +91,8 @@ GROUPS = {
 }
 # The longest groups first (docs/PERFORMANCE.md §13, the --durations table), so that the other worker takes the short
 # ones meanwhile instead of being left with one long group at the end; the rest in file order.
-FIRST = ()
+FIRST = ("test_cluster", "checkpoints", "sandbox", "test_split", "test_sweep", "test_engine", "test_gpu_check",
+         "test_evaluate")
 
 
 def group_of(item: pytest.Item) -> str:
