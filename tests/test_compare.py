@@ -391,3 +391,36 @@ def test_mh_odds_interval_without_events_on_one_side_has_no_bound():
 
     assert mh_odds_interval([(0, 10, 3, 10)]) == (0.0, math.inf)  # odds ratio 0: no finite interval
     assert mh_odds_interval([(3, 10, 0, 10)]) == (0.0, math.inf)
+
+
+def _write_band_run(d: Path, algo: dict, seed: int, records: list[dict]) -> Path:
+    d.mkdir(parents=True)
+    (d / "config.yaml").write_text(yaml.safe_dump({"algorithm": algo, "rollout": {"group_size": 8},
+                                                   "trainer": {"seed": seed}}))
+    (d / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.5}) + "\n")
+    (d / "rollouts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return d
+
+
+def test_the_reports_band_counts_count_a_seeds_shared_decisions_once(tmp_path):
+    """GAPO 0.003/0.015 against GSPO 0.003/0.015 at c = 4 (GAPO's bound 0.003 + 0.012 * 4/7 = 0.00986): a decision
+    at 1.012 differs (GAPO clips), one at 1.02 does not (both clip). Seed 0: the two arms logged the same ratios
+    to the end, so its 2 decisions count once. Seed 1: the second arm's first off-policy ratio is 1.013, so the
+    logs part there and both runs' 2 decisions count. 6 decisions, 3 in the band (adding both arms' runs: 8, 4)."""
+    from gapo.study.seeds import band_tables
+
+    def rec(*ratios):
+        ups = [{"is_ratio": 1.0, "off_policy": False}] + [{"is_ratio": r, "off_policy": True} for r in ratios]
+        return {"step": 1, "rank": 0, "problem": "p", "text": "t", "c": 4, "k": 8, "adv": 0.5, "updates": ups}
+
+    gapo = {"name": "gapo", "eps_lo": 0.003, "eps_hi_max": 0.015}
+    gspo = {"name": "gspo", "eps_lo": 0.003, "eps_hi": 0.015}
+    runs = {"gapo": [_write_band_run(tmp_path / "a0", gapo, 0, [rec(1.012, 1.02)]),
+                     _write_band_run(tmp_path / "a1", gapo, 1, [rec(1.012, 1.02)])],
+            "gspo": [_write_band_run(tmp_path / "b0", gspo, 0, [rec(1.012, 1.02)]),
+                     _write_band_run(tmp_path / "b1", gspo, 1, [rec(1.013, 1.02)])]}
+    groups = load_groups([f"{k}={','.join(map(str, v))}" for k, v in runs.items()])
+    md = "\n".join(band_tables(groups))
+    assert "| 4 (correct) | 6 | 3 | 3 | 0 | 50.0% |" in md
+    assert "| all correct (upper bound) | 6 | 3 | 3 | 0 | 50.0% |" in md
+    assert "2 same-seed pair(s) counted once" in md and "2 shared decision(s)" in md

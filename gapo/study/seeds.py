@@ -652,7 +652,9 @@ def pooled_clip_table(groups: dict[str, list[Run]], window: Window) -> list[str]
 
 def band_tables(groups: dict[str, list[Run]]) -> list[str]:
     """For each pair of labels whose runs logged rollouts under sequence-level rules: where the two rules decide
-    differently, per c, on both labels' logged ratios (gapo.study.band); a pair the counts cannot cover says why."""
+    differently, per c, on both labels' logged ratios (gapo.study.band); a pair the counts cannot cover says why.
+    Two labels' runs of one trainer.seed follow the same trajectory until their rules first decide differently,
+    so such a pair is counted once up to there (band.count's pairs); a seed only one label ran counts as it is."""
     from gapo.study import band
 
     rules, why = {}, {}
@@ -665,14 +667,19 @@ def band_tables(groups: dict[str, list[Run]]) -> list[str]:
     labels = list(groups)
     out = ["", "## Where the rules can differ (band counts)", "",
            "Every logged off-policy decision of both labels' runs, judged under both rules: only decisions in the "
-           "band between the two bounds can make the runs differ (`gapo-compare band`)."]
+           "band between the two bounds can make the runs differ (`gapo-compare band`). The two labels' runs of "
+           "one seed share their decisions until the first one that differs; those are counted once."]
     for i, a in enumerate(labels):
         for b in labels[i + 1:]:
             out += ["", f"### {md_cell(a)} vs {md_cell(b)}", ""]
             if a in why or b in why:
                 out.append(f"No band count: {why.get(a) or why.get(b)}")
                 continue
-            bands = band.count([r.path for r in groups[a] + groups[b]], rules[a], rules[b])
+            by_seed = {run_seed(r): r for r in groups[b]}
+            pairs = [(r.path, by_seed[run_seed(r)].path) for r in groups[a] if run_seed(r) in by_seed]
+            paired = {run_seed(r) for r in groups[a]} & set(by_seed)
+            single = [r.path for r in groups[a] + groups[b] if run_seed(r) not in paired]
+            bands = band.count(single, rules[a], rules[b], pairs)
             out += band.table(bands, rules[a], rules[b])
     return out
 
