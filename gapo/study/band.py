@@ -11,11 +11,16 @@ exact up to the first decision that differs.
 A decision is one off-policy update of one rollout (the step's first optimizer step is on-policy: its ratios
 are 1 and nothing clips). Rollouts logged before updates carried `off_policy` are told apart by |s - 1| < 1e-4
 (on-policy ratios are 1 to float32 rounding), which the output says.
+
+Two arms run on the same seed make the same decisions until the first one the rules judge differently: both logs
+hold that shared prefix, and counting both would count each of its decisions twice. count() takes such a pair
+as one unit: the first run's decisions, and the second run's from where the two logs first differ (shared_prefix).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,11 +125,15 @@ class Bands:
     runs: int
     legacy: bool  # some log had no off_policy flag: on-policy updates told apart by |s - 1|
     k: int  # the largest group size seen
+    pairs: int = 0  # same-seed pairs among the runs, each counted once up to where its two runs diverge
+    shared: int = 0  # decisions of the pairs' second runs left out as the same as their first runs'
 
     @property
-    def total(self) -> BandCount:
+    def all_correct(self) -> BandCount:
+        """The correct rollouts' decisions over every c. Incorrect ones stay out: two rules with the same eps_lo
+        cannot decide them differently, so adding them would only dilute the share in the band."""
         t = BandCount()
-        for b in [*self.correct.values(), self.incorrect]:
+        for b in self.correct.values():
             t.decisions += b.decisions
             t.differ += b.differ
             t.only_first += b.only_first
@@ -156,18 +165,50 @@ def read_rollouts(run_dir: Path) -> list[dict]:
     return out
 
 
-def count(run_dirs: list[Path], first: Rule, second: Rule) -> Bands:
-    """Judge every off-policy decision logged in `run_dirs` under both rules."""
+def _rollout_key(rec: dict) -> tuple:
+    """What makes two logged rollouts the same rollout: its step, rank, problem, text and advantage (not eps_hi,
+    which is the rule's and differs between arms on the same trajectory)."""
+    return tuple(rec.get(f) for f in ("step", "rank", "problem", "text", "c", "k", "adv"))
+
+
+def shared_prefix(a: list[dict], b: list[dict]) -> int:
+    """How many updates, in log order, two runs' records share before their trajectories part: the same step and
+    rollout, the same update index and the same ratio to float equality. From the first mismatch on, the runs are
+    different trajectories and each update of either is a decision of its own."""
+    n = 0
+    for ra, rb in zip(a, b, strict=False):  # the shorter log ends the prefix
+        if _rollout_key(ra) != _rollout_key(rb):
+            return n
+        ua, ub = ra["updates"], rb["updates"]
+        for x, y in zip(ua, ub, strict=False):
+            if float(x["is_ratio"]) != float(y["is_ratio"]):
+                return n
+            n += 1
+        if len(ua) != len(ub):
+            return n
+    return n
+
+
+def count(run_dirs: list[Path], first: Rule, second: Rule,
+          pairs: Sequence[tuple[Path, Path]] = ()) -> Bands:
+    """Judge every off-policy decision logged in `run_dirs` under both rules. Each of `pairs` (two arms' runs of
+    the same seed) counts its first run's decisions and its second run's from where the two logs first differ."""
     correct: dict[int, BandCount] = {}
-    incorrect, legacy, kmax = BandCount(), False, 0
-    for d in run_dirs:
-        for rec in read_rollouts(d):
+    incorrect = BandCount()
+    legacy, kmax, shared = False, 0, 0
+
+    def judge(records: list[dict], skip: int = 0) -> int:
+        """Add the records' decisions after their first `skip` updates; return the decisions skipped."""
+        nonlocal legacy, kmax
+        n = skipped = 0
+        for rec in records:
             adv, c, k = float(rec["adv"]), int(rec["c"]), int(rec["k"])
             kmax = max(kmax, k)
-            if adv == 0:
-                continue  # no advantage, no gradient: neither bound acts
             for u in rec["updates"]:
+                n += 1
                 s = float(u["is_ratio"])
+                if adv == 0:
+                    continue  # no advantage, no gradient: neither bound acts
                 if "off_policy" in u:
                     if not u["off_policy"]:
                         continue
@@ -175,19 +216,33 @@ def count(run_dirs: list[Path], first: Rule, second: Rule) -> Bands:
                     legacy = True
                     if abs(s - 1) < LEGACY_ON_POLICY:
                         continue
+                if n <= skip:
+                    skipped += 1
+                    continue
                 cell = correct.setdefault(c, BandCount()) if adv > 0 else incorrect
                 cell.add(first.clips(s, adv, c, k), second.clips(s, adv, c, k))
-    return Bands(dict(sorted(correct.items())), incorrect, len(run_dirs), legacy, kmax or 8)
+        return skipped
+
+    for d in run_dirs:
+        judge(read_rollouts(d))
+    for da, db in pairs:
+        ra, rb = read_rollouts(da), read_rollouts(db)
+        judge(ra)
+        shared += judge(rb, shared_prefix(ra, rb))
+    return Bands(dict(sorted(correct.items())), incorrect, len(run_dirs) + 2 * len(pairs), legacy, kmax or 8,
+                 len(pairs), shared)
 
 
 def table(bands: Bands, first: Rule, second: Rule) -> list[str]:
     """Markdown: per c, decisions and those in the band (where the rules differ), with who clips."""
-    out = [f"Decisions (off-policy updates of rollouts with A ≠ 0, {bands.runs} run(s)) where {md_cell(first.label)} "
-           f"and {md_cell(second.label)} decide differently:", "",
+    pairs = (f"; {bands.pairs} same-seed pair(s) counted once up to where their runs diverge, "
+             f"{bands.shared} shared decision(s) not counted twice" if bands.pairs else "")
+    out = [f"Decisions (off-policy updates of rollouts with A ≠ 0, {bands.runs} run(s){pairs}) where "
+           f"{md_cell(first.label)} and {md_cell(second.label)} decide differently:", "",
            "| c | decisions | in the band | clipped by the first only | by the second only | share in the band |",
            "|---|---|---|---|---|---|"]
-    rows = [(f"{c} (correct)", b) for c, b in bands.correct.items()] + [("incorrect (lower bound)", bands.incorrect)]
-    rows.append(("all", bands.total))
+    rows = [(f"{c} (correct)", b) for c, b in bands.correct.items()]
+    rows += [("all correct (upper bound)", bands.all_correct), ("incorrect (lower bound)", bands.incorrect)]
     for name, b in rows:
         share = f"{b.differ / b.decisions:.1%}" if b.decisions else "–"
         out.append(f"| {name} | {b.decisions} | {b.differ} | {b.only_first} | {b.only_second} | {share} |")
