@@ -39,9 +39,10 @@ lint: install
 # Tiers (tests/conftest.py): unmarked unit tests and the `smoke` tests; `test-all` adds the `e2e`, `dist` and
 # `cluster` tiers (cluster: a real SLURM, as root with slurm-wlm and munge installed; skipped elsewhere).
 # Two workers side by side (pytest-xdist): a module's tests stay on one worker, so that its set-ups are built once,
-# and modules that must not overlap share a group (tests/conftest.py, "Side by side"). PYTEST_WORKERS=0: one process.
+# and modules that must not overlap share a group (tests/conftest.py, "Side by side", hands out the groups in order).
+# PYTEST_WORKERS=0: one process.
 PYTEST_WORKERS ?= 2
-SIDE_BY_SIDE := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
+SIDE_BY_SIDE := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadscope --no-loadscope-reorder)
 
 test: install lint
 	$(BIN)/python -m pytest -q $(SIDE_BY_SIDE) -m "not (e2e or dist or cluster) or smoke" tests
