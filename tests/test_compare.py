@@ -14,7 +14,8 @@ from scipy import optimize, special, stats
 
 from gapo.evaluation import BenchResult, summary, write_results
 from gapo.study.compare import main as cli
-from gapo.study.seeds import ci_half_width, load_groups, training_estimates, welch
+from gapo.study.seeds import load_groups, training_estimates
+from gapo.study.stats import ci_half_width, welch
 
 # Student-t quantile q with 2 degrees of freedom in closed form, (2q - 1) / sqrt(2q(1 - q)), at q = 0.975:
 # 4.30265272975 (printed tables round it to 4.303).
@@ -240,7 +241,8 @@ def test_bad_group_argument(tmp_path, capsys):
 def test_a_clip_fractions_interval_stays_within_zero_and_one():
     """Three seeds that disagree: the Student-t interval of the fractions themselves leaves [0, 1] (the README's
     figure once drew a bar to 1.75); the logit-scale one cannot."""
-    from gapo.study.seeds import ProportionEstimate, ci_half_width
+    from gapo.study.seeds import ProportionEstimate
+    from gapo.study.stats import ci_half_width
 
     fracs, counts = (0.0, 0.9, 0.05), ((0, 20), (18, 20), (1, 20))
     assert sum(fracs) / 3 + ci_half_width(fracs) > 1
@@ -270,7 +272,8 @@ def test_every_fraction_cell_has_its_centre_inside_its_interval_inside_zero_one(
 
 
 def test_welchs_degenerate_cases_are_said_in_words():
-    from gapo.study.seeds import ProportionEstimate, difference_cell, significance
+    from gapo.study.seeds import ProportionEstimate, difference_cell
+    from gapo.study.stats import significance
 
     assert significance([0.5, 0.5], [0.5, 0.5]) == "(no spread on either side: identical)"
     assert "every seed differs the same way; no test" in significance([1.0, 1.0, 1.0], [0.5, 0.5, 0.5])
@@ -281,7 +284,7 @@ def test_welchs_degenerate_cases_are_said_in_words():
 
 
 def test_cmh_on_one_stratum_by_hand_and_on_identical_arms():
-    from gapo.study.seeds import cmh
+    from gapo.study.stats import cmh
 
     # 10 of 50 clipped against 2 of 50: E = 50 * 12 / 100 = 6, Var = 50 * 50 * 12 * 88 / (100^2 * 99) = 8/3,
     # chi2 = (|10 - 6| - 0.5)^2 / (8/3) = 4.59375; Mantel-Haenszel odds ratio (10 * 48 / 100) / (2 * 40 / 100) = 6
@@ -365,7 +368,8 @@ def test_the_c_by_rule_interaction_is_paired_by_seed(tmp_path):
     gapo: low 1/10, 2/10, 1/10 against high 5/10: contrasts -0.4, -0.3, -0.4; gspo: low 5/10, 6/10, 4/10 against
     high 5/10: 0, +0.1, -0.1. Interactions -0.4, -0.4, -0.3: mean -0.3667; every sign negative, so the exact
     sign-flip p is 2/8 = 0.25, the smallest three pairs allow."""
-    from gapo.study.seeds import interaction_table, sign_flip_p
+    from gapo.study.seeds import interaction_table
+    from gapo.study.stats import sign_flip_p
 
     g = {"gapo": [_write_clips(tmp_path / f"a{s}", "gapo", s, (lo, 10), (5, 10)) for s, lo in enumerate((1, 2, 1))],
          "gspo": [_write_clips(tmp_path / f"b{s}", "gspo", s, (lo, 10), (5, 10)) for s, lo in enumerate((5, 6, 4))]}
@@ -383,7 +387,7 @@ def test_the_c_by_rule_interaction_is_paired_by_seed(tmp_path):
 
 
 def test_holm_by_hand():
-    from gapo.study.seeds import holm
+    from gapo.study.stats import holm
 
     # sorted 0.01, 0.02, 0.04 -> 3 * 0.01, max(0.03, 2 * 0.02), max(0.04, 1 * 0.04); NaN is not a test
     assert holm([0.04, 0.01, float("nan"), 0.02]) == pytest.approx([0.04, 0.03, float("nan"), 0.04], nan_ok=True)
@@ -391,7 +395,7 @@ def test_holm_by_hand():
 
 def test_mh_odds_interval_on_one_stratum_is_woolfs():
     """With one stratum the Robins-Breslow-Greenland variance reduces to Woolf's 1/a + 1/b + 1/c + 1/d."""
-    from gapo.study.seeds import mh_odds_interval
+    from gapo.study.stats import mh_odds_interval
 
     lo, hi = mh_odds_interval([(10, 50, 2, 50)])
     se = math.sqrt(1 / 10 + 1 / 40 + 1 / 2 + 1 / 48)
@@ -423,7 +427,7 @@ def test_a_pooled_clip_fractions_interval_covers_at_small_counts(rate, icc):
 
 
 def test_mh_odds_interval_without_events_on_one_side_has_no_bound():
-    from gapo.study.seeds import mh_odds_interval
+    from gapo.study.stats import mh_odds_interval
 
     assert mh_odds_interval([(0, 10, 3, 10)]) == (0.0, math.inf)  # odds ratio 0: no finite interval
     assert mh_odds_interval([(3, 10, 0, 10)]) == (0.0, math.inf)

@@ -101,3 +101,37 @@ def test_clip_model_keeps_a_seed_whose_runs_never_clipped():
         runs[label][0] = ep.Decisions(runs[label][0].adv, runs[label][0].ratio, np.zeros(40, dtype=bool))
     [r] = ep.clip_model(runs, reference="fixed")
     assert r.clusters == 8 and np.isfinite([r.estimate, r.lo, r.hi]).all()
+
+
+def test_the_report_reads_each_endpoint_off_the_runs(tmp_path):
+    """gapo-compare seeds' endpoint section: E1 per label, E2 and E3 paired by trainer.seed, the GEE row; each value
+    equals the endpoint computed directly on the same runs."""
+    rng = np.random.default_rng(5)
+    groups, dec = {"GAPO": {}, "GSPO": {}}, {}
+    for label, tilt in (("GAPO", 0.02), ("GSPO", 0.01)):
+        for seed in (0, 1, 2):
+            records = []
+            for _ in range(12):
+                c = int(rng.integers(1, 8))
+                adv = (8 - c) / 8
+                s = float(np.exp(tilt * adv + rng.normal(0, 0.004)))
+                records.append(rollout(adv, c, [(1.0, False, 0), (s, True, int(s > 1.01))]))
+            metrics = [{"step": 1, "is_adv_corr": float(rng.normal(tilt * 10, 0.05))}]
+            groups[label][seed] = write_run(tmp_path / label / f"seed{seed}", records, metrics)
+            dec[label, seed] = ep.decisions(groups[label][seed])
+    lines = ep.report(groups, {"GSPO": 0.003})
+    text = "\n".join(lines)
+    e1 = ep.across_seeds({s: ep.slope(dec["GAPO", s].adv, np.log(dec["GAPO", s].ratio)) for s in (0, 1, 2)})
+    assert f"| E1 log-ratio slope on (k-c)/k | GAPO | {e1.mean:+.4g} [{e1.lo:+.4g}, {e1.hi:+.4g}] | 3 (0, 1, 2) |" \
+        in text
+    e2 = ep.across_seeds(ep.paired({s: ep.mean_is_adv_corr(groups["GAPO"][s]) for s in (0, 1, 2)},
+                                   {s: ep.mean_is_adv_corr(groups["GSPO"][s]) for s in (0, 1, 2)}))
+    assert f"| E2 mean is_adv_corr, Δ | GAPO − GSPO | {e2.mean:+.4g} [" in text
+    assert "| E3 advantage-weighted clip share, Δ | GAPO − GSPO |" in text
+    [model] = ep.clip_model({"GSPO": {s: dec["GSPO", s] for s in (0, 1, 2)},
+                             "GAPO": {s: dec["GAPO", s] for s in (0, 1, 2)}}, reference="GSPO")
+    assert f"| GAPO | GSPO | {model.estimate:+.3g} [" in text
+    (groups["GSPO"][2] / "rollouts.jsonl").unlink()  # a run without its rollouts: E1 and E3 say so, E2 stays
+    text = "\n".join(ep.report(groups, {"GSPO": 0.003}))
+    assert "E1 and E3 need every run's rollouts.jsonl" in text and "| E2 mean is_adv_corr, Δ |" in text
+    assert "E1 log-ratio slope" not in text

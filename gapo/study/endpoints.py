@@ -34,7 +34,7 @@ import numpy as np
 
 from gapo.study.band import read_rollouts
 from gapo.study.figures import PlotError
-from gapo.study.seeds import paired_t, sign_flip_p
+from gapo.study.stats import holm, paired_t, sign_flip_p
 
 
 @dataclass(frozen=True)
@@ -164,3 +164,57 @@ def clip_model(runs: dict[str, dict[int, Decisions]], reference: str, level: flo
                                float(ci.loc[term, 1]), float(fit.pvalues[term]), int(len(data)),
                                int(data["seed"].nunique())))
     return out
+
+
+def _cell(a: AcrossSeeds) -> str:
+    if not a.seeds:
+        return "no seed with a value | | | "
+    return (f"{a.mean:+.4g} [{a.lo:+.4g}, {a.hi:+.4g}] | {len(a.seeds)} ({', '.join(map(str, a.seeds))}) | "
+            f"{a.p_t:.3g} | {a.p_flip:.3g}")
+
+
+def report(groups: dict[str, dict[int, Path]], fixed_eps_hi: dict[str, float]) -> list[str]:
+    """The endpoints as the plan reads them, for `gapo-compare seeds`: `groups` maps a label to its runs by trainer.seed
+    (the method first, then the rules it is compared with); `fixed_eps_hi` the upper bound of each fixed rule's label.
+    E1 per label; E2 and E3 the first label against each other, paired by seed; Holm over the primary tests as the
+    plan names them is the plan's to apply (each p here is unadjusted, with Holm over this table's rows beside it)."""
+    labels = list(groups)
+    lines = ["", "## Endpoints (experiments/demo_mechanism_plan.md; gapo/study/endpoints.py)", "",
+             "Per run, then across seeds: mean [95 % t interval], the seeds with a value (trainer.seed), the "
+             "one-sample or paired t p and the exact sign-flip p; Holm over the rows of this table in the last column "
+             "(the plan's primary family is a subset of them: see the plan).", "",
+             "| endpoint | label(s) | mean [95 % CI] | seeds | p (t) | p (sign-flip) | p (Holm, this table) |",
+             "|---|---|---|---|---|---|---|"]
+    rows: list[tuple[str, str, AcrossSeeds]] = []
+    try:
+        dec = {label: {seed: decisions(path) for seed, path in runs.items()} for label, runs in groups.items()}
+    except PlotError as err:
+        dec = None
+        lines.insert(3, f"E1 and E3 need every run's rollouts.jsonl (trainer.log_rollouts=true): {err}")
+    if dec is not None:
+        for label in labels:
+            e1 = {s: premise(d, list(fixed_eps_hi.values())) for s, d in dec[label].items()}
+            rows.append(("E1 log-ratio slope on (k-c)/k", label, across_seeds({s: v["log ratio"]
+                                                                             for s, v in e1.items()})))
+    corr = {label: {seed: mean_is_adv_corr(path) for seed, path in runs.items()} for label, runs in groups.items()}
+    for other in labels[1:]:
+        rows.append(("E2 mean is_adv_corr, Δ", f"{labels[0]} − {other}", across_seeds(paired(corr[labels[0]],
+                                                                                            corr[other]))))
+        if dec is not None:
+            share = {label: {s: weighted_clip_share(d) for s, d in dec[label].items()} for label in (labels[0], other)}
+            rows.append(("E3 advantage-weighted clip share, Δ", f"{labels[0]} − {other}",
+                         across_seeds(paired(share[labels[0]], share[other]))))
+    adjusted = holm([r[2].p_t for r in rows])
+    for (name, label, a), p in zip(rows, adjusted, strict=True):
+        lines.append(f"| {name} | {label} | {_cell(a)} | {p:.3g} |")
+    if dec is not None and len(labels) > 1:
+        lines += ["", "E3's model: P(clip) of a correct decision ~ rule × advantage, logistic GEE over every seed's "
+                  "decisions, seeds as clusters, bias-reduced sandwich; the term is the log odds ratio per unit of "
+                  "advantage of the first label against the reference.", "",
+                  "| rule | reference | rule × advantage [95 % CI] | p | decisions | seeds |",
+                  "|---|---|---|---|---|---|"]
+        for other in labels[1:]:
+            for r in clip_model({other: dec[other], labels[0]: dec[labels[0]]}, reference=other):
+                lines.append(f"| {r.rule} | {r.reference} | {r.estimate:+.3g} [{r.lo:+.3g}, {r.hi:+.3g}] | "
+                             f"{r.p:.3g} | {r.decisions} | {r.clusters} |")
+    return lines
