@@ -94,6 +94,16 @@ def test_clip_model_recovers_a_planted_interaction_and_covers_it():
     assert covered >= 34, covered  # >= 85 % of 40 at a nominal 95 %
 
 
+def test_a_rule_that_never_clipped_is_not_estimable_rather_than_a_precise_zero():
+    """With no clip under one rule the odds diverge: statsmodels returns a near-zero term with a tiny interval, which
+    would read as a precise null. The model refuses, saying which rule, and the report says so in the row."""
+    rng = np.random.default_rng(1)
+    runs = simulated(rng, 4, -3.0)
+    runs["fixed"] = {s: ep.Decisions(d.adv, d.ratio, np.zeros(len(d), dtype=bool)) for s, d in runs["fixed"].items()}
+    with pytest.raises(ValueError, match="fixed: no decision clipped"):
+        ep.clip_model(runs, reference="fixed")
+
+
 def test_clip_model_keeps_a_seed_whose_runs_never_clipped():
     rng = np.random.default_rng(3)
     runs = simulated(rng, 8, -3.0)

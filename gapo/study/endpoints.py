@@ -150,6 +150,11 @@ def clip_model(runs: dict[str, dict[int, Decisions]], reference: str, level: flo
     if not rows:
         return []
     data = pd.concat(rows, ignore_index=True)
+    flat = data.groupby("rule")["clip"].agg(["min", "max"])
+    if (flat["min"] == flat["max"]).any():  # a rule that never (or always) clipped: the odds diverge, not estimable
+        said = [f"{label}: {'every' if row['min'] == 1 else 'no'} decision clipped" for label, row in flat.iterrows()
+                if row["min"] == row["max"]]
+        raise ValueError(f"the clip model has nothing to fit ({'; '.join(said)})")
     others = [label for label in runs if label != reference]
     names = {label: f"r{i}" for i, label in enumerate([reference, *others])}  # formula-safe rule names
     data["rule"] = pd.Categorical(data["rule"].map(names), categories=list(names.values()))
@@ -214,7 +219,12 @@ def report(groups: dict[str, dict[int, Path]], fixed_eps_hi: dict[str, float]) -
                   "| rule | reference | rule × advantage [95 % CI] | p | decisions | seeds |",
                   "|---|---|---|---|---|---|"]
         for other in labels[1:]:
-            for r in clip_model({other: dec[other], labels[0]: dec[labels[0]]}, reference=other):
+            try:
+                fitted = clip_model({other: dec[other], labels[0]: dec[labels[0]]}, reference=other)
+            except ValueError as err:
+                lines.append(f"| {labels[0]} | {other} | not estimable: {err} | | | |")
+                continue
+            for r in fitted:
                 lines.append(f"| {r.rule} | {r.reference} | {r.estimate:+.3g} [{r.lo:+.3g}, {r.hi:+.3g}] | "
                              f"{r.p:.3g} | {r.decisions} | {r.clusters} |")
     return lines
