@@ -261,11 +261,9 @@ def lora_step(state: dict) -> None:
     kernels) and against PEFT's own fp32 forward (LoRA's gradient, up to bf16), with test_lora.py's bounds."""
     out = state["out"] / "lora" / "result"
     out.parent.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1",
-                        "tests/dist_lora_check.py", str(out), "3"], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=600)
+                        "tests/dist_lora_check.py", str(out), "3"], cwd=ROOT, env=own_world_env(), capture_output=True,
+                       text=True, timeout=600)
     if r.returncode != 0:
         raise RuntimeError(f"tests/dist_lora_check.py exited {r.returncode}: {r.stderr[-800:]}")
     res = json.loads(Path(f"{out}.0").read_text())
@@ -417,6 +415,13 @@ def _close_engine(engine, model: weakref.ref | None, state: dict) -> None:
         gone and collected and ok)
 
 
+def own_world_env() -> dict[str, str]:
+    """This process's environment for a child that starts its own process group: this process is a world of one
+    already (RANK, MASTER_PORT, ... set), which the child must not join."""
+    return {k: v for k, v in os.environ.items()
+            if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+
+
 def gapo_train(out: Path, nproc: int, dtype: str, *overrides: str) -> tuple[str, bool, Path]:
     """gapo-train on configs/tiny_cpu.yaml for 2 steps: (what happened, whether it passed, the run directory)."""
     import shutil
@@ -426,10 +431,7 @@ def gapo_train(out: Path, nproc: int, dtype: str, *overrides: str) -> tuple[str,
     cmd = [sys.executable, "-m", "gapo.cli", "--config", "configs/tiny_cpu.yaml", "--nproc", str(nproc),
            f"trainer.output_dir={run}", f"model.dtype={dtype}", "trainer.total_steps=2", "tracking.mode=disabled",
            "rollout.compile=auto", *overrides]  # vLLM's own compile path, as users get it (tiny_cpu is eager)
-    # This process is a world of one already (RANK, MASTER_PORT, ... set): the child must start its own.
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=own_world_env(), cwd=ROOT)
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()] \
         if (run / "metrics.jsonl").exists() else []
     verified = [x for x in rows if "sync/probe_logprob_diff" in x]

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gapo.study.band import read_rollouts
+from gapo.study.band import LEGACY_ON_POLICY, read_rollouts
 from gapo.study.figures import PlotError
 from gapo.study.stats import holm, paired_t, sign_flip_p
 
@@ -55,7 +55,7 @@ def decisions(run_dir: Path) -> Decisions:
         if float(rec["adv"]) <= 0:
             continue
         for u in rec["updates"]:
-            if u.get("off_policy", abs(float(u["is_ratio"]) - 1) >= 1e-4):  # older logs: band.LEGACY_ON_POLICY
+            if u.get("off_policy", abs(float(u["is_ratio"]) - 1) >= LEGACY_ON_POLICY):  # older logs have no flag
                 adv.append(float(rec["adv"]))
                 ratio.append(float(u["is_ratio"]))
                 clipped.append(int(u.get("clip_hi_tokens", 0)) > 0)
