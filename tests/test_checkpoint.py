@@ -50,13 +50,21 @@ def metrics(run_dir: Path) -> dict[int, dict]:
     return {r["step"]: {k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows}
 
 
+# The sampler-trainer mismatch is the engine's float noise against the trainer's (about 1e-7 a token in fp32), not
+# run state: a resumed engine once put it at 1.4e-5 where the uninterrupted one had 4.9e-7 (CI, 2026-12-06, suite
+# side by side). Held here to the push check's float32 limit (rollout.push_tolerance: 1e-4): a resume whose engine
+# samples with other weights exceeds it, and changes the tokens, rewards and losses compared to 1e-7 beside it.
+ENGINE_NOISE = ("logprob_mismatch/", 1e-4)
+
+
 def assert_same_steps(a: dict, b: dict, steps, keys_ignored=("branch/parent_step",)) -> None:
     for s in steps:
         ka = set(a[s]) - set(keys_ignored)
         assert ka == set(b[s]) - set(keys_ignored)
-        for k in ka:
+        for k in sorted(ka):
             if isinstance(a[s][k], float):
-                assert b[s][k] == pytest.approx(a[s][k], rel=1e-6, abs=1e-7), (s, k)
+                tol = ENGINE_NOISE[1] if k.startswith(ENGINE_NOISE[0]) else 1e-7
+                assert b[s][k] == pytest.approx(a[s][k], rel=1e-6, abs=tol), (s, k)
             else:
                 assert a[s][k] == b[s][k], (s, k)
 
