@@ -137,6 +137,10 @@ def test_the_report_reads_each_endpoint_off_the_runs(tmp_path):
     e2 = ep.across_seeds(ep.paired({s: ep.mean_is_adv_corr(groups["GAPO"][s]) for s in (0, 1, 2)},
                                    {s: ep.mean_is_adv_corr(groups["GSPO"][s]) for s in (0, 1, 2)}))
     assert f"| E2 mean is_adv_corr, Δ | GAPO − GSPO | {e2.mean:+.4g} [" in text
+    e3 = ep.across_seeds({s: ep.slope(dec["GAPO", s].adv, dec["GAPO", s].clipped.astype(float))
+                          - ep.slope(dec["GSPO", s].adv, dec["GSPO", s].clipped.astype(float)) for s in (0, 1, 2)})
+    assert (f"| E3 P(clip) slope on (k-c)/k under the run's rule, Δ | GAPO − GSPO | {e3.mean:+.4g} "
+            f"[{e3.lo:+.4g}, {e3.hi:+.4g}] | 3 (0, 1, 2) |") in text
     assert "| E3 advantage-weighted clip share, Δ | GAPO − GSPO |" in text
     [model] = ep.clip_model({"GSPO": {s: dec["GSPO", s] for s in (0, 1, 2)},
                              "GAPO": {s: dec["GAPO", s] for s in (0, 1, 2)}}, reference="GSPO")

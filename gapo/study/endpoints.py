@@ -11,12 +11,13 @@ run, then a test across seeds, keeps every seed and asks each the same question.
   its t interval, the one-sample t and the exact sign-flip p.
 - E2 (Fig. 5): a run's mean over steps of `is_adv_corr` (Pearson's r of the IS ratio and the advantage in a step),
   GAPO minus a fixed rule, paired by seed.
-- E3 (Fig. 3): whether a correct decision was clipped, against rule x advantage, as a logistic model over every
-  seed's decisions, with seeds as clusters. A GEE (statsmodels, exchangeable working correlation) with the
-  Mancl-DeRouen bias-reduced sandwich, which holds with few clusters; not seed fixed effects, which diverge for a seed
-  whose run never clipped (at clip rates near 0.1 over a few dozen decisions that happens) and would drop it. The
-  rule x advantage interaction is the endpoint: under GAPO the clip probability should fall with the advantage
-  relative to the fixed rule. Beside it, each run's advantage-weighted clip share (the share of the correct
+- E3 (Fig. 3), per run: the least-squares slope of "clipped by the run's own rule" on the advantage (a linear
+  probability slope: defined for a run that never clipped, where a logistic one diverges), GAPO minus a fixed rule,
+  paired by seed: under GAPO the clip probability should fall with the advantage relative to the fixed rule. The
+  same question over every decision at once (secondary): clipped against rule x advantage as a logistic GEE over
+  every seed's decisions, seeds as clusters (statsmodels, exchangeable working correlation, the Mancl-DeRouen
+  bias-reduced sandwich, which holds with few clusters; not seed fixed effects, which diverge for a seed whose run
+  never clipped and would drop it). Beside them, each run's advantage-weighted clip share (the share of the correct
   decisions' advantage that clipping removed: where the signal is), paired by seed.
 
 A decision is one off-policy update of one rollout with A > 0 (the step's first optimizer step is on-policy and
@@ -50,8 +51,13 @@ class Decisions:
 
 
 def decisions(run_dir: Path) -> Decisions:
+    return decisions_of(read_rollouts(run_dir))
+
+
+def decisions_of(records: list[dict]) -> Decisions:
+    """The decisions of some of a run's rollout records (one step's: gapo.study.power)."""
     adv, ratio, clipped = [], [], []
-    for rec in read_rollouts(run_dir):
+    for rec in records:
         if float(rec["adv"]) <= 0:
             continue
         for u in rec["updates"]:
@@ -206,6 +212,10 @@ def report(groups: dict[str, dict[int, Path]], fixed_eps_hi: dict[str, float]) -
         rows.append(("E2 mean is_adv_corr, Δ", f"{labels[0]} − {other}", across_seeds(paired(corr[labels[0]],
                                                                                             corr[other]))))
         if dec is not None:
+            climb = {label: {s: slope(d.adv, d.clipped.astype(float)) for s, d in dec[label].items()}
+                     for label in (labels[0], other)}
+            rows.append(("E3 P(clip) slope on (k-c)/k under the run's rule, Δ", f"{labels[0]} − {other}",
+                         across_seeds(paired(climb[labels[0]], climb[other]))))
             share = {label: {s: weighted_clip_share(d) for s, d in dec[label].items()} for label in (labels[0], other)}
             rows.append(("E3 advantage-weighted clip share, Δ", f"{labels[0]} − {other}",
                          across_seeds(paired(share[labels[0]], share[other]))))
