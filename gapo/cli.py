@@ -21,7 +21,7 @@ TRAIN_DESCRIPTION = f"""Train a policy with GAPO and its baselines.
 Signals (SLURM): SIGTERM, what SLURM sends at a preemption (SIGKILL follows after the partition's GraceTime), and
 SIGUSR1, what `sbatch --signal=USR1@300` sends 300 s before the time limit, both make every rank finish (or
 abandon) its step, save, and exit {Exit.PREEMPTED}; `--resume auto` then goes on from that checkpoint. GraceTime and the
-signal's lead must exceed trainer.preempt_deadline_s plus a save (README, "Running on a cluster")."""
+signal's lead must exceed trainer.preempt_deadline_s plus a save (docs/cluster.md)."""
 
 
 def train_main(argv: list[str] | None = None) -> int:

@@ -427,6 +427,11 @@ class RewardConfig(_Section):
     math_last_number_fallback: bool = Field(
         False, description="Score a response with no boxed answer on its last number (the CPU demo's small model "
                            "rarely boxes).")
+    modules: list[str] = Field(
+        default_factory=list, description="Python files (path/to/my_reward.py, relative to where the command runs) "
+                                          "or importable modules that add rewarders to the rewarder table with "
+                                          "gapo.reward.registry.register; each process imports them before it "
+                                          "reads data.type (docs/own-data.md).")
 
 
 class OffloadConfig(_Section):
@@ -546,7 +551,7 @@ class EvalConfig(_Section):
     the paper table's reporting settings in `protocol`."""
 
     class Protocol(EvalProtocol):
-        """How the paper reports this config's table, applied by `gapo-eval --protocol <config>` (its flags
+        """How the paper reports this config's table, applied by `gapo-eval --config <config>` (its flags
         still override). Training never reads it: validation during a run samples fewer, and the final numbers
         should come from the file that states the table, not from flags someone has to remember."""
 
@@ -564,7 +569,7 @@ class EvalConfig(_Section):
     instruction: str | None = Field(None, description="null: data.instruction.")
     coverage_threshold: float = Field(0.05, ge=0.0, le=1.0)
     protocol: Protocol | None = Field(
-        None, description="How the paper reports this config's table (gapo-eval --protocol); null: this config "
+        None, description="How the paper reports this config's table (gapo-eval --config); null: this config "
                           "states no paper table.")
 
 

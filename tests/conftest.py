@@ -1,5 +1,5 @@
 """Test tiers, and where the real-data tests find the benchmark files (math/aime24.json, code/leetcode.json, ...: see
-README.md, "Two commands"), in one place.
+docs/testing.md), in one place.
 
 A file such as `math/aime24.json` is looked up in this order:
   1. $GAPO_DATA_DIR (the same variable gapo-eval reads),
@@ -205,7 +205,7 @@ def shared_data(tmp_path_factory) -> Callable[[str], Path]:
             return path
         tried = " or ".join(str(d / relpath) for d in local_data_dirs())
         reason = (f"benchmark file {relpath} not found (tried {tried}; Hugging Face: {why}); "
-                  f"set GAPO_DATA_DIR to a directory holding {relpath} (README.md, 'Two commands')")
+                  f"set GAPO_DATA_DIR to a directory holding {relpath} (docs/testing.md)")
         if os.environ.get("GAPO_REQUIRE_DATA") == "1":
             pytest.fail(f"GAPO_REQUIRE_DATA=1: {reason}", pytrace=False)
         pytest.skip(reason)

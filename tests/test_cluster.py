@@ -1,7 +1,7 @@
-"""The cluster path under a real SLURM (the `cluster` tier; tests/slurm_cluster.py starts it): the README's commands
-for experiments/tiny_cluster.yaml (two runs and a branch of the second, 2 ranks per job on gloo) from a folder that
-stands for the clone's root, one run preempted by a job of a higher-priority partition, one reaching its time
-limit, the evaluation as SLURM jobs (again from another folder), and the table, which must equal the one a local
+"""The cluster path under a real SLURM (the `cluster` tier; tests/slurm_cluster.py starts it): docs/cluster.md's
+commands for experiments/tiny_cluster.yaml (two runs and a branch of the second, 2 ranks per job on gloo) from a
+folder that stands for the clone's root, one run preempted by a job of a higher-priority partition, one reaching its
+time limit, the evaluation as SLURM jobs (again from another folder), and the table, which must equal the one a local
 `gapo-sweep --run` + `--eval` of the same manifest gives (fp32: the same numbers, preemptions or not).
 
 One chain serves every test (module fixture): about 10 minutes on 2 cores. A requeued job waits 2 minutes before it
@@ -60,13 +60,13 @@ def _checkpoint(run: Path, step: int) -> bool:
 
 @pytest.fixture(scope="module")
 def chain(slurm, tmp_path_factory):
-    clone = tmp_path_factory.mktemp("clone")  # stands for the clone's root: the README's relative paths
+    clone = tmp_path_factory.mktemp("clone")  # stands for the clone's root: docs/cluster.md's relative paths
     elsewhere = tmp_path_factory.mktemp("elsewhere")
     env = {**slurm.env, **ENV_EXTRA}
     runs = clone / "runs" / M
     out = {"clone": clone, "elsewhere": elsewhere, "runs": runs, "t0": time.monotonic()}
 
-    # The README's two commands, from the clone's root.
+    # docs/cluster.md's two commands, from the clone's root.
     _run([str(BIN / "gapo-sweep"), M, "--slurm"], clone, env)
     ids = _submitted(_run(["bash", f"runs/{M}/slurm/submit.sh"], clone, env))
     out["ids"] = ids
@@ -115,7 +115,7 @@ def chain(slurm, tmp_path_factory):
 
 
 def _log(chain, job_id: str) -> str:
-    """A job's log where the README says: runs/<manifest>/slurm/logs/<job name>-<array job>_<task>.out."""
+    """A job's log where docs/cluster.md says: runs/<manifest>/slurm/logs/<job name>-<array job>_<task>.out."""
     job, task = job_id.split("_")
     found = list((chain["runs"] / "slurm" / "logs").glob(f"*-{job}_{task}.out"))
     assert len(found) == 1, (job_id, sorted(p.name for p in (chain["runs"] / "slurm" / "logs").iterdir()))

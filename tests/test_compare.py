@@ -239,8 +239,8 @@ def test_bad_group_argument(tmp_path, capsys):
 
 
 def test_a_clip_fractions_interval_stays_within_zero_and_one():
-    """Three seeds that disagree: the Student-t interval of the fractions themselves leaves [0, 1] (the README's
-    figure once drew a bar to 1.75); the logit-scale one cannot."""
+    """Three seeds that disagree: the Student-t interval of the fractions themselves leaves [0, 1] (the
+    laptop experiment's figure once drew a bar to 1.75); the logit-scale one cannot."""
     from gapo.study.seeds import ProportionEstimate
     from gapo.study.stats import ci_half_width
 

@@ -12,8 +12,8 @@ from gapo.config import PRESETS, AlgorithmConfig, ConfigError, load_config, reso
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# The documented switches of every preset (README's algorithm table). A change here is a change of the
-# paper's settings and must be deliberate.
+# The documented switches of every preset (README's algorithm table, docs/REFERENCE.md). A change here is a change
+# of the paper's settings and must be deliberate.
 EXPECTED = {
     "grpo": ("token", "fixed", 0.2, 0.2, True, 0.0, "token_mean"),
     "dr_grpo": ("token", "fixed", 0.2, 0.28, False, 0.0, "seq_sum_constant"),

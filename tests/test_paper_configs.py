@@ -1,6 +1,6 @@
 """Every documented paper command resolves to the paper's row, and every shipped config rehearses.
 
-The commands are read from where users read them: the README's "Paper configs" table and the header of
+The commands are read from where users read them: docs/paper.md's "Paper configs" table and the header of
 each file in configs/. The expected rows are written here from the paper (Tables 1, 2, 3 and 8, §4.1), not
 from the presets, so a preset, a config or a resolution rule that drifts from the paper fails here.
 """
@@ -74,8 +74,8 @@ def key(config: str, overrides: list[str]) -> str:
     return " ".join([algo.pop("name"), *(f"{k}={float(v):g}" for k, v in sorted(algo.items()))])
 
 
-def readme_commands() -> list[tuple[str, list[str]]]:
-    section = (ROOT / "README.md").read_text().split("## Paper configs", 1)[1].split("\n## ", 1)[0]
+def paper_page_commands() -> list[tuple[str, list[str]]]:
+    section = (ROOT / "docs" / "paper.md").read_text().split("## Paper configs", 1)[1].split("\n## ", 1)[0]
     out = []
     for cmd in re.findall(r"`(gapo-train --config [^`]+)`", section):
         words = shlex.split(cmd)
@@ -107,7 +107,7 @@ def resolved(config: str, overrides: list[str]) -> tuple:
             a.focal_gamma, a.loss_agg)
 
 
-DOCUMENTED = sorted(set((c, tuple(o)) for c, o in readme_commands() + header_commands()))
+DOCUMENTED = sorted(set((c, tuple(o)) for c, o in paper_page_commands() + header_commands()))
 
 
 @pytest.mark.parametrize("config, overrides", DOCUMENTED, ids=[f"{c} {' '.join(o)}" for c, o in DOCUMENTED])
@@ -120,7 +120,7 @@ def test_documented_command_resolves_to_the_papers_row(config, overrides):
 
 
 def test_every_paper_row_is_documented_in_readme_and_headers():
-    for where in (readme_commands(), header_commands()):
+    for where in (paper_page_commands(), header_commands()):
         found = {(c, key(c, o)) for c, o in where}
         missing = {(c, k) for c, rows in PAPER.items() for k in rows} - found
         assert not missing, missing

@@ -156,7 +156,7 @@ def test_no_val_keys_skips_val_figures(tmp_path):
 
 
 def test_one_run_plots_into_its_own_folder_by_default(runs, capsys):
-    """`gapo-plot RUN_DIR`, as the README writes it: RUN_DIR/plots; several runs need --out, and say so with gapo's
+    """`gapo-plot RUN_DIR`, as docs/commands.md has it: RUN_DIR/plots; several runs need --out, and say so with gapo's
     exit code for a fix the user makes (errors.Exit.CONFIG)."""
     from gapo.errors import Exit
 

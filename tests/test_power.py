@@ -4,10 +4,10 @@ power from the noncentral t distribution."""
 import numpy as np
 import pytest
 from scipy import stats
+from test_endpoints import write_run
 
 from gapo.study import endpoints as ep
 from gapo.study import power as pw
-from test_endpoints import write_run
 
 
 def pilot_run(path, rng, steps=6, lift=0.02, corr=0.3):

@@ -64,7 +64,7 @@ def test_without_protocol_the_defaults_apply_and_benchmarks_are_required():
     args = parser().parse_args(["--model", "m", "--benchmarks", "amc"])
     assert apply_protocol(args) is None
     assert (args.n, args.temperature, args.top_p, args.max_new_tokens) == (16, 0.6, 1.0, 3072)
-    with pytest.raises(ConfigError, match="give --benchmarks, or --protocol"):
+    with pytest.raises(ConfigError, match="give --benchmarks, or --config"):
         apply_protocol(parser().parse_args(["--model", "m"]))
 
 
@@ -83,6 +83,7 @@ def test_a_partial_protocol_is_refused_naming_the_missing_keys():
 
 def test_help_says_where_each_default_comes_from():
     text = parser().format_help()
-    for part in ("--protocol CONFIG", "default: the protocol's, else 16", "default: the protocol's, else 0.6",
-                 "default: the protocol's, else 3072", "qwen_math, llama_math (Table 3)"):
+    for part in ("--config CONFIG, --protocol CONFIG", "default: the protocol's, else 16",
+                 "default: the protocol's, else 0.6", "default: the protocol's, else 3072",
+                 "qwen_math, llama_math (Table 3)"):
         assert part in " ".join(text.split()), part

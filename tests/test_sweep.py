@@ -167,7 +167,7 @@ def test_the_base_row_is_one_evaluation_of_the_configs_model():
     assert len(base) == 1
     cmd = base[0]
     model = load_config(m.config).model
-    assert cmd[cmd.index("--model") + 1] == model.path and cmd[cmd.index("--protocol") + 1] == m.eval.protocol
+    assert cmd[cmd.index("--model") + 1] == model.path and cmd[cmd.index("--config") + 1] == m.eval.protocol
     assert cmd[cmd.index("--dtype") + 1] == model.dtype and cmd[cmd.index("--out") + 1] == str(base_results(m, js))
 
 

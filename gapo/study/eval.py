@@ -1,9 +1,9 @@
-"""gapo-eval: pass@k of a model, or of a run's checkpoints, on benchmarks (vLLM). The command line, its
---protocol settings and its table; what it shares with validation inside training (benchmarks, sampling seeds,
-pass@k over a benchmark, a checkpoint's weights) is gapo.evaluation, below the trainer and this wing alike.
+"""gapo-eval: pass@k of a model, or of a run's checkpoints, on benchmarks (vLLM). The command line, its --config (a
+paper table's protocol) settings and its table; what it shares with validation inside training (benchmarks, sampling
+seeds, pass@k over a benchmark, a checkpoint's weights) is gapo.evaluation, below the trainer and this wing alike.
 Benchmark specs (`name[@START:END][=path]`) are described there.
 
-`gapo-eval --protocol <config>` takes the benchmarks and sampling settings of a paper table from that
+`gapo-eval --config <config>` takes the benchmarks and sampling settings of a paper table from that
 config's `eval.protocol` (see EvalConfig.Protocol), so the reported numbers do not depend on remembered flags.
 """
 
@@ -83,20 +83,20 @@ def resolve_eval_model(path: str) -> Path:
                       "directory, a built-in name or a hub id")
 
 
-# What gapo-eval uses for a setting that neither its command line nor a --protocol gives.
+# What gapo-eval uses for a setting that neither its command line nor a --config gives.
 FALLBACK = {"n": 16, "temperature": 0.6, "top_p": 1.0, "max_new_tokens": 3072}
 PROTOCOL_KEYS = ("benchmarks", "n", "temperature", "top_p", "max_new_tokens")
 
 
 def apply_protocol(args: argparse.Namespace) -> str | None:
     """Fill each setting the command line left unset (None) from the `eval.protocol` of the config named by
-    --protocol, else from FALLBACK; flags given explicitly win. Returns a line saying what came from where
-    (None without --protocol)."""
+    --config, else from FALLBACK; flags given explicitly win. Returns a line saying what came from where
+    (None without --config)."""
     note = None
     if args.protocol:
         p = load_config(args.protocol).eval.protocol
         if p is None:
-            raise ConfigError(f"--protocol {args.protocol}: the config has no eval.protocol section (the paper configs "
+            raise ConfigError(f"--config {args.protocol}: the config has no eval.protocol section (the paper configs "
                               "qwen_math, llama_math, r1_distill_math and deepcoder have one)")
         given = [k for k in PROTOCOL_KEYS if getattr(args, k) is not None]
         for k in PROTOCOL_KEYS:
@@ -106,7 +106,7 @@ def apply_protocol(args: argparse.Namespace) -> str | None:
         note = (f"protocol {args.protocol} ({p.table}): " + ", ".join(f"{k}={getattr(args, k)}" for k in PROTOCOL_KEYS)
                 + (f"; from the command line: {', '.join(given)}" if given else ""))
     if args.benchmarks is None:
-        raise ConfigError("give --benchmarks, or --protocol CONFIG to take them from a paper config")
+        raise ConfigError("give --benchmarks, or --config CONFIG to take them from a paper config")
     for k, v in FALLBACK.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -117,18 +117,18 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="gapo-eval", description="pass@k of a model on benchmarks (vLLM).",
         epilog="Each of --benchmarks, --n, --temperature, --top-p, --max-new-tokens comes from the flag when given, "
-               "else from the --protocol config's eval.protocol (a paper table's settings), else from the default "
-               "shown. Example: gapo-eval --model runs/qwen_math_gapo --protocol qwen_math (Table 3).")
+               "else from the --config config's eval.protocol (a paper table's settings), else from the default "
+               "shown. Example: gapo-eval --model runs/qwen_math_gapo --config qwen_math (Table 3).")
     which = ap.add_mutually_exclusive_group(required=True)
     which.add_argument("--run", metavar="RUN_DIR", nargs="+",
                        help="evaluate these runs' checkpoints (--steps), one after another under one engine (runs of "
                             "one model architecture), results in RUN_DIR/eval/NAME/step_N/, skipping steps done")
     which.add_argument("--model", help="HF model dir, gapo checkpoint or run dir, a built-in name, or a "
                                                    "Hugging Face hub id (e.g. Qwen/Qwen2.5-Math-1.5B)")
-    ap.add_argument("--protocol", default=None, metavar="CONFIG",
-                    help="a config (name in configs/ or path) whose eval.protocol gives the benchmarks and sampling "
-                         "of its paper table: qwen_math, llama_math (Table 3), r1_distill_math (Table 1), "
-                         "deepcoder (Table 2)")
+    ap.add_argument("--config", "--protocol", dest="protocol", default=None, metavar="CONFIG",
+                    help="a config (name in configs/ or path), as gapo-train takes it, whose eval.protocol gives the "
+                         "benchmarks and sampling of its paper table: qwen_math, llama_math (Table 3), "
+                         "r1_distill_math (Table 1), deepcoder (Table 2); --protocol is its older spelling")
     ap.add_argument("--benchmarks", default=None,
                     help="comma-separated specs name[@START:END][=path] (see gapo.evaluation); default: the "
                          "protocol's")
@@ -145,7 +145,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--limit", type=int, default=None, help="first N problems of each benchmark")
     ap.add_argument("--engine", choices=get_args(EngineKind), default="vllm")
     ap.add_argument("--steps", default="last", help="with --run: comma-separated checkpoint steps, 'last' or 'all'")
-    ap.add_argument("--name", default=None, help="with --run: the results' folder under eval/ (default: the --protocol "
+    ap.add_argument("--name", default=None, help="with --run: the results' folder under eval/ (default: the --config "
                                                  "config's name, else 'custom')")
     ap.add_argument("--dtype", choices=get_args(Dtype), default=None,
                     help="default: the run's model.dtype with --run, else bfloat16")

@@ -273,7 +273,7 @@ def eval_commands(m: Manifest, js: list[Job], together: bool = False) -> list[li
                 "--top-p", str(p.top_p), "--max-new-tokens", str(p.max_new_tokens),
                 *(["--limit", str(p.limit)] if p.limit else []), "--name", p.name]
     else:
-        spec = ["--protocol", p]
+        spec = ["--config", p]
     own = [(tuple(j.own_steps(m.eval.steps)), j) for j in js]
     groups: dict[tuple[int, ...], list[Job]] = {}  # together: runs with the same steps share a command (an engine)
     for steps, j in own:

@@ -107,7 +107,7 @@ def _train_script(m: Manifest, stage: list[Task], path: Path, workdir: Path, kin
     js, nproc = [t.job for t in stage], stage[0].resources.nproc
     path.write_text(f"""#!/bin/bash
 # {m.title} ({m.produces}): {kind}, one array task per run x seed. Submitted by submit.sh (next to this file);
-# see the README, "Running on a cluster". Signals: at a preemption SLURM sends SIGTERM (SIGKILL after the
+# see docs/cluster.md. Signals: at a preemption SLURM sends SIGTERM (SIGKILL after the
 # partition's GraceTime); --signal=USR1@N sends SIGUSR1 N seconds before the time limit. Either way each rank
 # finishes (or abandons) its step, saves and exits 75; the task then requeues itself and starts again from its
 # newest checkpoint (--resume auto). --requeue brings it back after a node failure too.

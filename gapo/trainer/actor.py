@@ -318,7 +318,7 @@ class Actor:
         parts have arrived, which must happen while they are still gathered.
 
         With LoRA the rollout engine gets merged weights, base + scale * B @ A, under the base model's names (see
-        merged_weight and README "LoRA"): the same names, versions and probe verify the push as without it.
+        merged_weight and docs/one-gpu.md, "LoRA"): the same names, versions and probe verify the push as without it.
         """
         import deepspeed
 

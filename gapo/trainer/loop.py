@@ -36,7 +36,7 @@ from gapo.evaluation import Bench, context_length, evaluate, load_benchmark, sum
 from gapo.faults import requested
 from gapo.memory import plan_text
 from gapo.models import check_context_budget, resolve_model
-from gapo.reward.registry import check_rewards, score_groups, training_set
+from gapo.reward.registry import check_rewards, load_modules, score_groups, training_set
 from gapo.rollout import split
 from gapo.rollout.engine import Engine, build_engine
 from gapo.rollout.transport import GlooBridge, PeerGone
@@ -148,6 +148,7 @@ def setup(cfg: Config, rank: int, world: int, remote: split.RemoteEngine | None)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    load_modules(cfg.reward.modules)  # a user's rewarders (docs/own-data.md), before data.type is read
     problems, prompt_ids, dropped = training_set(d, tokenizer)
     sampler = Sampler(len(problems), seed=t.seed)
     benches = [load_benchmark(spec, ev.limit, d) for spec in ev.benchmarks]
@@ -474,7 +475,7 @@ def rollout_records(batch: StepBatch, rank: int, eps_hi: Tensor, stats: list[Rol
                                "clip_lo_tokens": int(st.clip_lo_tokens[b]), "off_policy": bool(off[b])})
     k = len(batch.groups[0])
     return [{"step": batch.step, "rank": rank, "problem": batch.problems[i // k].uid, "text": x.text,
-             "reward": res.reward, "status": res.status, "c": int(ga.c[i]), "k": int(ga.k[i]),
+             "reward": res.reward, "status": res.status, "detail": res.detail, "c": int(ga.c[i]), "k": int(ga.k[i]),
              "adv": float(ga.adv[i]), "eps_hi": float(eps_hi[i]), "len": len(x.response_ids),
              "truncated": x.truncated, "version": x.version, "updates": updates[i]}
             for i, (x, res) in enumerate(zip(rollouts, results, strict=True))]
