@@ -88,7 +88,7 @@ $(BENCH_VENV)/.installed: $(STAMP)
 		transformers==$$($(BIN)/python -c 'import transformers; print(transformers.__version__)')
 	touch $@
 
-# Every figure of docs/PERFORMANCE.md (about 45 minutes on 2 cores).
+# docs/PERFORMANCE.md §1-5 and the rewarders' bench; the other scripts of bench/ each run on their own (its docstring).
 bench: install bench-env
 	$(BIN)/python bench/e2e_vs_trl.py
 	$(BIN)/python bench/generation.py

@@ -12,7 +12,7 @@ def budget(m: Manifest, js: list[Job]) -> str:
     """GPUs, the memory plan's verdict, estimated GPU-hours of training and of evaluation, and the disk the kept
     checkpoints take, per run and in total, from the configs alone.
 
-    Hours are FLOP estimates, not measurements (no GPU has run gapo yet): per step, 2 P T for generation at
+    Hours are FLOP estimates, not measurements (no GPU has run a paper config yet): per step, 2 P T for generation at
     GEN_MFU, 2 P T (old log-probs) + 6 P T epochs (updates) for training at TRAIN_MFU, with T the step's tokens
     at mean response length half of max_new_tokens, P the parameters, on H100-class bf16 (PEAK_FLOPS). An
     evaluation is generation only: every problem of the protocol's benchmarks (BENCHMARK_SIZES) x n samples, per
