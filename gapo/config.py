@@ -23,6 +23,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from gapo import arithmetic
+from gapo.clip import RULES, UPPER_FIELDS, ClipRule
 from gapo.errors import ConfigError
 from gapo.rundir import run_of
 
@@ -34,7 +35,6 @@ CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 # The algorithm switches' values, also the loss functions' argument types (gapo/trainer/losses.py).
 IsLevel = Literal["token", "sequence"]
-ClipRule = Literal["fixed", "adaptive", "cispo"]
 LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_sum_constant"]
 # The engine's choices, also gapo-eval's and a sweep manifest's (choices=typing.get_args(...)).
 Dtype = Literal["float32", "bfloat16"]
@@ -92,12 +92,6 @@ PRESETS: dict[str, dict[str, Any]] = {
     "cispo": dict(is_level="token", clip="cispo", eps_lo=1.0, eps_hi=4.0, std_normalize=False,
                   focal_gamma=0.0, loss_agg="token_mean"),
 }
-def adaptive_eps_hi(c, k, eps_lo: float, eps_hi_max: float):
-    """GAPO's eq. 8, eps_hi(c) = eps_lo + (eps_hi_max - eps_lo) * (k - c) / (k - 1), in its one place: plain
-    arithmetic, so the loss applies it to tensors (gapo.trainer.losses.gapo_clip_high, which also guards c and k)
-    and gapo-compare band to the numbers of a logged rollout."""
-    return eps_lo + (eps_hi_max - eps_lo) * (k - c) / (k - 1)
-
 
 # The paper's widths (eps_lo, eps_hi_max) per IS level for Qwen2.5-Math-1.5B and Llama-3.2-3B (§4.1).
 DEFAULT_CLIP_WIDTHS = {"sequence": (3e-3, 5e-3), "token": (0.2, 0.28)}
@@ -142,8 +136,8 @@ class AlgorithmConfig(_Section):
         "gapo", description="The preset: the switches (is_level, clip, eps_*, std_normalize, focal_gamma, "
                         "loss_agg) left null take its values.")
     is_level: IsLevel | None = Field(None, description="Importance ratio per token, or per sequence (GSPO).")
-    clip: ClipRule | None = Field(None, description="fixed bounds, GAPO's adaptive upper bound (eq. 8), or CISPO's "
-                                                    "clipped, detached IS weight.")
+    clip: str | None = Field(None, description="The clip rule (gapo.clip.RULES): fixed bounds, GAPO's adaptive upper "
+                                               "bound (eq. 8), or CISPO's clipped, detached IS weight.")
     eps_lo: float | None = Field(None, ge=0.0, le=1.0, description="Lower clip width: ratios below 1 - eps_lo clip.")
     eps_hi: float | None = Field(
         None, ge=0.0, description="Upper clip width of the fixed rule (ratios above 1 + eps_hi clip); CISPO's weight "
@@ -172,41 +166,38 @@ class AlgorithmConfig(_Section):
         other upper field stays null, so a value given for it is an error rather than silently unused."""
         if self.clip is None:
             return self  # not resolved yet: presets fill the switches in resolve()
-        own, other = ("eps_hi_max", "eps_hi") if self.clip == "adaptive" else ("eps_hi", "eps_hi_max")
+        if self.clip not in RULES:
+            raise ValueError(f"algorithm.clip={self.clip!r}: no such clip rule; gapo.clip.RULES has "
+                             f"{', '.join(RULES)}")
+        own = self.rule.upper_field
+        other = UPPER_FIELDS[1 - UPPER_FIELDS.index(own)]
         if getattr(self, other) is not None:
             raise ValueError(f"algorithm.{other}={getattr(self, other)}: the {self.clip} rule ({self.name}) has no "
                              f"such bound; its upper bound is algorithm.{own}")
         if self.eps_lo is None or getattr(self, own) is None:
             raise ValueError(f"algorithm: the {self.clip} rule needs eps_lo and {own} (a preset sets both)")
-        if self.clip == "adaptive" and self.eps_lo > self.eps_hi_max:
-            raise ValueError(
-                f"algorithm.eps_lo={self.eps_lo} > algorithm.eps_hi_max={self.eps_hi_max}: the adaptive "
-                "upper bound goes from eps_hi_max (c = 1) down to eps_lo (c = k), so eps_lo <= eps_hi_max")
-        if self.clip != "cispo" and self.eps_lo >= 1.0:
-            raise ValueError(f"algorithm.eps_lo={self.eps_lo}: a PPO lower bound 1 - eps_lo must stay "
-                             "above 0, so eps_lo must be < 1 (only clip=cispo allows 1.0)")
+        self.rule.check(self)
         return self
+
+    @property
+    def rule(self) -> ClipRule:
+        return RULES[self.clip]
 
     @property
     def upper(self) -> float:
         """The rule's upper width: eps_hi_max (adaptive, at c = 1) or eps_hi (fixed; CISPO's weight cap)."""
-        return self.eps_hi_max if self.clip == "adaptive" else self.eps_hi
+        return getattr(self, self.rule.upper_field)
 
     @property
     def clip_range(self) -> tuple[str, str]:
         """(lower, upper) widths as the paper's tables print a row's, the upper one followed by the rule unless it
         is fixed (eps_hi_max of the adaptive rule, CISPO's weight cap): gapo-compare's table columns and, joined
         by '/', gapo-plot's legends and index."""
-        return fmt_eps(self.eps_lo), fmt_eps(self.upper) + ("" if self.clip == "fixed" else f" {self.clip}")
+        return fmt_eps(self.eps_lo), fmt_eps(self.upper) + self.rule.tag
 
     def describe(self) -> str:
         """The clip rule and its bounds in words, as the console, the rehearsal report and gapo-plot show it."""
-        lo, hi = fmt_eps(self.eps_lo), fmt_eps(self.upper)
-        if self.clip == "adaptive":
-            return f"adaptive clip 1 - {lo} .. 1 + eps_hi(c), eps_hi from {hi} (c = 1) down to {lo} (c = k)"
-        if self.clip == "cispo":
-            return f"CISPO weight clipped to [1 - {lo}, 1 + {hi}]"
-        return f"fixed clip 1 - {lo} .. 1 + {hi}"
+        return self.rule.describe(fmt_eps(self.eps_lo), fmt_eps(self.upper))
 
 
 def fmt_eps(x: float) -> str:
@@ -794,8 +785,9 @@ def resolve(raw: dict | None = None, overrides: list[str] | tuple[str, ...] = ()
         algo = {k: v for k, v in algo.items() if k not in dropped}
     merged = {**_preset_switches(name, algo), **{k: v for k, v in algo.items() if v is not None}}
     # Configs written before each rule had its own shape carry both upper fields, always equal: keep the rule's.
-    other = "eps_hi" if merged.get("clip") == "adaptive" else "eps_hi_max"
-    if other in merged and merged[other] == merged.get("eps_hi_max" if other == "eps_hi" else "eps_hi"):
+    own = RULES[merged["clip"]].upper_field if merged.get("clip") in RULES else UPPER_FIELDS[0]
+    other = UPPER_FIELDS[1 - UPPER_FIELDS.index(own)]
+    if other in merged and merged[other] == merged.get(own):
         del merged[other]
     tree["algorithm"] = merged
     try:
@@ -849,7 +841,7 @@ def _preset_switches(name: str, algo: dict) -> dict[str, Any]:
     if not (isinstance(pair, list | tuple) and len(pair) == 2 and all(isinstance(x, int | float) for x in pair)):
         raise ConfigError(f"algorithm.clip_widths.{preset['is_level']}: expected [eps_lo, eps_hi_max], got {pair!r}")
     lo, hi = float(pair[0]), float(pair[1])
-    if shape == "adaptive":
+    if RULES[preset["clip"]].upper_field == "eps_hi_max":  # a rule whose widest upper width is eps_hi_max (GAPO)
         return {**preset, "eps_lo": lo, "eps_hi_max": hi}
     own_lo = algo.get("eps_lo")
     return {**preset, "eps_lo": lo, "eps_hi": (lo if own_lo is None else own_lo) if shape == "sym" else hi}

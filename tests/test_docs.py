@@ -81,3 +81,15 @@ def test_the_exit_code_table_is_gapo_errors_exit():
     text = (ROOT / "docs" / "commands.md").read_text().split("## Exit codes", 1)[1]
     rows = re.findall(r"^\| (\d+) \| (\w+) \|", text, flags=re.M)
     assert [(int(code), name) for code, name in rows] == [(e.value, e.name) for e in Exit]
+
+
+def test_every_docs_page_the_code_and_configs_name_exists():
+    """A moved or renamed page leaves no dead pointer in a docstring, a config header or the Makefile."""
+    texts = [ROOT / "Makefile", ROOT / "mkdocs.yml", *PAGES]
+    for folder in ("gapo", "bench", "configs", "experiments", "tests"):
+        texts += [p for p in (ROOT / folder).rglob("*") if p.suffix in (".py", ".yaml", ".md", ".sh")]
+    named = {(p.relative_to(ROOT).as_posix(), ref) for p in texts
+             for ref in re.findall(r"\bdocs/[\w.-]+\.(?:md|png)", p.read_text(errors="replace"))}
+    assert len(named) > 20
+    dead = sorted((where, ref) for where, ref in named if not (ROOT / ref).exists())
+    assert not dead, dead

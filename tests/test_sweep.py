@@ -72,11 +72,11 @@ def test_table3_qwen_lists_its_methods_times_three_seeds():
     assert sorted({j.seed for j in js}) == [0, 1, 2]
 
 
-def test_readme_and_manifest_commands_never_share_an_output_directory():
-    from test_paper_configs import readme_commands
+def test_paper_page_and_manifest_commands_never_share_an_output_directory():
+    from test_paper_configs import paper_page_commands
 
     dirs = {}
-    for config, overrides in readme_commands():
+    for config, overrides in paper_page_commands():
         resume = [o for o in overrides if o.startswith("trainer.resume_from")]
         d = load_config(config, overrides).trainer.output_dir if not resume else None
         if d:

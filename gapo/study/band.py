@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gapo import rundir
-from gapo.config import AlgorithmConfig, adaptive_eps_hi, fmt_eps, resolve
+from gapo.config import AlgorithmConfig, fmt_eps, resolve
 from gapo.errors import ConfigError
 from gapo.study.figures import PlotError, algorithm_of, md_cell
 
@@ -40,10 +40,7 @@ class Rule:
     algo: AlgorithmConfig
 
     def upper(self, c: int, k: int) -> float:
-        a = self.algo
-        if a.clip != "adaptive":
-            return float(a.eps_hi)
-        return float(adaptive_eps_hi(min(max(c, 1), k), k, a.eps_lo, a.eps_hi_max))  # c = 0 has no correct rollout
+        return float(self.algo.rule.eps_hi(min(max(c, 1), k), k, self.algo))  # c = 0 has no correct rollout
 
     def clips(self, ratio: float, adv: float, c: int, k: int) -> bool:
         if adv > 0:
@@ -68,10 +65,7 @@ def rule(spec: str) -> Rule:
         probe = resolve({"algorithm": {"name": raw["name"]}}).algorithm
     except ConfigError as e:
         raise ConfigError(f"rule {spec!r}: {e}") from None
-    if probe.clip == "adaptive":
-        raw["eps_hi_max"] = eps_hi if eps_hi is not None else eps_lo
-    else:
-        raw["eps_hi"] = eps_hi if eps_hi is not None else eps_lo
+    raw[probe.rule.upper_field] = eps_hi if eps_hi is not None else eps_lo
     algo = resolve({"algorithm": raw}).algorithm
     return checked(Rule(spec, algo))
 
@@ -84,7 +78,7 @@ def run_rule(run_dir: Path, label: str, cfg: dict) -> Rule:
 
 
 def checked(r: Rule) -> Rule:
-    if r.algo.is_level != "sequence" or r.algo.clip not in ("fixed", "adaptive"):
+    if r.algo.is_level != "sequence" or r.algo.rule.weight_clip:
         raise ConfigError(f"rule {r.label!r} ({r.algo.name}): band counts need a sequence-level PPO clip rule "
                           "(GSPO, GAPO and their asymmetric forms); a token-level rule decides per token, and "
                           "rollouts.jsonl logs sequence ratios")
@@ -93,8 +87,8 @@ def checked(r: Rule) -> Rule:
 
 def describe(r: Rule, k: int = 8) -> str:
     a = r.algo
-    hi = (f"1 + eps_hi(c): {fmt_eps(r.upper(1, k))} at c = 1 .. {fmt_eps(r.upper(k - 1, k))} at c = {k - 1}"
-          if a.clip == "adaptive" else f"1 + {fmt_eps(a.eps_hi)}")
+    hi = (f"1 + {fmt_eps(r.upper(1, k))}" if a.rule.constant else
+          f"1 + eps_hi(c): {fmt_eps(r.upper(1, k))} at c = 1 .. {fmt_eps(r.upper(k - 1, k))} at c = {k - 1}")
     return f"{r.label}: 1 - {fmt_eps(a.eps_lo)} .. {hi}"
 
 

@@ -29,6 +29,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from gapo import rundir
+from gapo.clip import RULES
 from gapo.errors import Exit
 from gapo.study.figures import (
     ALL_STEPS,
@@ -373,11 +374,11 @@ def _esc(x) -> str:
     return html.escape(str(x), quote=True)
 
 
-def _update_item(u: dict, adv: float, eps_hi: float, eps_lo, clip: str, token_level: bool, length: int) -> str:
+def _update_item(u: dict, adv: float, eps_hi: float, eps_lo, weight_clip: bool, token_level: bool, length: int) -> str:
     """One update of one rollout: its sequence IS ratio, the bound that applies to it and what the loss did."""
     lo = f"1−ε_lo = {1 - eps_lo:.6g}" if isinstance(eps_lo, int | float) else "1−ε_lo"
     hi = f"1+ε_hi = {1 + eps_hi:.6g}"
-    bound = f"[{lo}, {hi}]" if clip == "cispo" else hi if adv > 0 else lo if adv < 0 else "none (A = 0: no gradient)"
+    bound = f"[{lo}, {hi}]" if weight_clip else hi if adv > 0 else lo if adv < 0 else "none (A = 0: no gradient)"
     verdicts = []
     for key, side in (("clip_hi_tokens", "high"), ("clip_lo_tokens", "low")):
         n = int(u.get(key) or 0)
@@ -411,7 +412,8 @@ def rollouts_page(run: Run, steps: list[int] | None = None, per_c: int = 3) -> s
         if rec["step"] in by_step:
             by_step[rec["step"]].append(rec)
     a = run_algorithm(run.config)
-    clip, eps_lo = str(a.get("clip") or ""), a.get("eps_lo")
+    rule, eps_lo = RULES.get(str(a.get("clip"))), a.get("eps_lo")
+    weight_clip = rule is not None and rule.weight_clip
     token_level = a.get("is_level") != "sequence"
     title = f"Rollouts of {run.label}"
     parts = [f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>{_esc(title)}</title>"
@@ -447,7 +449,7 @@ def rollouts_page(run: Run, steps: list[int] | None = None, per_c: int = 3) -> s
                          "<th>updates: IS ratio · bound → decision</th><th>tokens</th><th>response</th></tr>")
             for r in shown:
                 adv, length = float(r.get("adv", 0.0)), int(r.get("len", 0))
-                items = "".join(_update_item(u, adv, float(r.get("eps_hi", float("nan"))), eps_lo, clip,
+                items = "".join(_update_item(u, adv, float(r.get("eps_hi", float("nan"))), eps_lo, weight_clip,
                                              token_level, length) for u in r.get("updates", []))
                 text = str(r.get("text", ""))
                 head = text[:100].replace("\n", " ") + ("…" if len(text) > 100 else "")

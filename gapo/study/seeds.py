@@ -693,7 +693,8 @@ def write_report(out: Path, groups: dict[str, list[Run]], window: Window = ALL_S
     lines += tables(metrics, train_est, percent=False) if metrics else ["No training metrics in the window."]
     lines += band_tables(groups)
     algos = {label: algorithm_of(runs[0].config) for label, runs in groups.items() if runs}
-    fixed = {label: float(a.eps_hi) for label, a in algos.items() if a is not None and a.clip == "fixed"}
+    fixed = {label: float(a.eps_hi) for label, a in algos.items()
+             if a is not None and a.rule.constant and not a.rule.weight_clip}
     lines += endpoints.report({label: {run_seed(r): r.path for r in runs} for label, runs in groups.items()}, fixed)
     lines += interaction_table(groups, window)
     lines += pooled_clip_table(groups, window)

@@ -7,7 +7,7 @@ IS ratio rho (token level) or s_i (sequence level, GSPO), and the surrogate of e
     L = E[ max(-A_i * s_i, -A_i * clip(s_i, 1 - eps_lo, 1 + eps_hi(c_i))) ]
 
 where eps_hi(c) is eq. 8 (`gapo_clip_high`) for the adaptive rule and a constant for fixed clipping
-(`clip_high` picks the rule from the algorithm config).
+(`clip_high` asks the algorithm's clip rule, gapo/clip.py).
 
 Shapes: B rollouts in a micro-batch, T padded response length. `mask[b, t]` is 1 on response tokens.
 Every loss here is a *contribution to the optimizer step's loss*: its normaliser is the whole step's
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from gapo.config import adaptive_eps_hi
+from gapo.clip import adaptive_eps_hi
 
 if TYPE_CHECKING:  # type hints only
     from gapo.config import AlgorithmConfig, RolloutCorrection
@@ -43,12 +43,18 @@ def gapo_clip_high(c: Tensor | int, k: Tensor | int, eps_lo: float, eps_hi_max: 
     and c = k no rollout has a positive advantage, so the upper bound is never used; c = 0 is raised to 1
     (eps_hi_max) and c = k gives the formula's own eps_lo, so the value always lies in [eps_lo, eps_hi_max].
     """
+    c, k = _counts(c, k, "gapo_clip_high")
+    return adaptive_eps_hi(c, k, eps_lo, eps_hi_max)
+
+
+def _counts(c: Tensor | int, k: Tensor | int, who: str) -> tuple[Tensor, Tensor]:
+    """c and k as float64, c held to [1, k]: a bound read at c = 0 or c = k is never used (no rollout there has a
+    positive advantage), and held there it stays within the rule's range."""
     c = torch.as_tensor(c, dtype=torch.float64)
     k = torch.as_tensor(k, dtype=torch.float64)
     if (k < 2).any():
-        raise ValueError(f"gapo_clip_high: group size k must be >= 2, got {k.min().item():g}")
-    c = torch.minimum(torch.clamp(c, min=1.0), k)
-    return adaptive_eps_hi(c, k, eps_lo, eps_hi_max)
+        raise ValueError(f"{who}: group size k must be >= 2, got {k.min().item():g}")
+    return torch.minimum(torch.clamp(c, min=1.0), k), k
 
 
 # --------------------------------------------------------------------------------------------------
@@ -127,11 +133,11 @@ class RolloutStats:
 
 
 def clip_high(c: Tensor, k: Tensor, algo: AlgorithmConfig) -> Tensor:
-    """The upper clip width of each rollout [B] (float64): eq. 8's eps_hi(c) under the adaptive rule, the
-    constant eps_hi under fixed clipping (eps_hi = eps_lo for the symmetric presets) and CISPO's weight cap."""
-    if algo.clip == "adaptive":
-        return gapo_clip_high(c, k, algo.eps_lo, algo.eps_hi_max)
-    return torch.full(c.shape, algo.eps_hi, dtype=torch.float64)
+    """The upper clip width of each rollout [B] (float64), as the algorithm's clip rule (gapo.clip) sets it from c
+    and k: eq. 8's eps_hi(c) under the adaptive rule, the constant eps_hi under fixed clipping (eps_hi = eps_lo for
+    the symmetric presets) and CISPO's weight cap."""
+    c, k = _counts(c, k, "clip_high")
+    return torch.as_tensor(algo.rule.eps_hi(c, k, algo), dtype=torch.float64).expand(c.shape).clone()
 
 
 def policy_loss(logp: Tensor, batch: MicroBatch, norm: StepNorm, algo: AlgorithmConfig
@@ -158,7 +164,7 @@ def policy_loss(logp: Tensor, batch: MicroBatch, norm: StepNorm, algo: Algorithm
     hi = 1.0 + torch.as_tensor(eps_hi, dtype=rho.dtype, device=rho.device)[:, None]
     lo = 1.0 - eps_lo
     a = adv.to(rho.device, rho.dtype)[:, None]
-    if algo.clip == "cispo":
+    if algo.rule.weight_clip:  # CISPO
         weight = torch.minimum(torch.clamp(rho, min=lo), hi).detach()
         per_tok = -a * weight * logp
         clip_hi = rho.detach() > hi
