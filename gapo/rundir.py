@@ -16,6 +16,7 @@ the tracker write them; checkpoint, rehearse, gapo-eval, gapo-plot and gapo-comp
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 from gapo.errors import ConfigError
@@ -76,3 +77,15 @@ def find(path: str | Path) -> Path:
         raise ConfigError(f"--resume {path}: no complete checkpoint in {p / CHECKPOINTS} (no '{LATEST}' file)")
     raise ConfigError(f"--resume {path}: not a run directory with checkpoints, nor a checkpoint directory "
                       f"(one holding {STATE})")
+
+
+def per_c(metric: str, c: int) -> str:
+    """metrics.jsonl's key for `metric` over the groups with c correct (clip_frac/c3): the trainer's step metrics
+    write these keys, gapo-plot and gapo-compare find them with logged_cs."""
+    return f"{metric}/c{c}"
+
+
+def logged_cs(metric: str, keys: Iterable[str]) -> list[int]:
+    """The c of every per_c(metric, c) among `keys`, in order."""
+    prefix = per_c(metric, 0)[:-1]
+    return sorted({int(k[len(prefix):]) for k in keys if k.startswith(prefix) and k[len(prefix):].isdigit()})

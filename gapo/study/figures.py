@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +27,7 @@ from matplotlib.ticker import MaxNLocator
 
 from gapo import rundir
 from gapo.config import AlgorithmConfig, ConfigError, read_yaml, resolve
+from gapo.rundir import logged_cs, per_c
 
 Series = list[tuple[int, float]]
 
@@ -36,7 +36,6 @@ Series = list[tuple[int, float]]
 RAW_PREFIX = "_raw "
 REF_PREFIX = "_ref "
 
-_CLIP_UNITS = re.compile(r"^clip_units/c(\d+)$")
 
 
 class PlotError(Exception):
@@ -335,11 +334,8 @@ def clip_totals(run: Run, window: Window = ALL_STEPS) -> dict[int, ClipTotals]:
     with one such rollout like a step with a hundred. Runs logged before those sums existed give {}.
     """
     out: dict[int, ClipTotals] = {}
-    for key in run.series:
-        if not (m := _CLIP_UNITS.match(key)):
-            continue
-        c = int(m.group(1))
-        per_step = {name: dict(run.get(f"{name}/c{c}")) for name in ("clip_hi", "clip_units", "n_correct")}
+    for c in logged_cs("clip_units", run.series):
+        per_step = {name: dict(run.get(per_c(name, c))) for name in ("clip_hi", "clip_units", "n_correct")}
         steps = [st for st in per_step["clip_units"] if in_window(st, window)]
         missing = [st for st in steps if st not in per_step["clip_hi"] or st not in per_step["n_correct"]]
         if missing:

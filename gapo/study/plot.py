@@ -31,6 +31,7 @@ from matplotlib.ticker import MaxNLocator
 from gapo import rundir
 from gapo.clip import RULES
 from gapo.errors import Exit
+from gapo.rundir import logged_cs, per_c
 from gapo.study.figures import (
     ALL_STEPS,
     REF_PREFIX,
@@ -51,8 +52,6 @@ from gapo.study.figures import (
     window_text,
 )
 
-_CLIP_C = re.compile(r"^clip_frac/c(\d+)$")
-_CLIP_UNITS = re.compile(r"^clip_units/c(\d+)$")
 _VAL_MEAN_PASS = re.compile(r"^val/mean/pass@(\d+)$")
 _VAL_COVERAGE = re.compile(r"^val/(.+)/coverage$")
 
@@ -81,7 +80,7 @@ def _unique_labels(runs: list[Run]) -> None:
 
 def clip_cs(runs: list[Run]) -> list[int]:
     """c = 1 .. k-1 from the configs' group size, plus any c the logs have (configs may be missing)."""
-    cs = {int(m.group(1)) for r in runs for k in r.series if (m := _CLIP_C.match(k))}
+    cs = {c for r in runs for c in logged_cs("clip_frac", r.series)}
     for r in runs:
         if r.group_size:
             cs.update(range(1, r.group_size))
@@ -101,7 +100,7 @@ def fig_clip_by_c(runs: list[Run], smooth: int = 1) -> Figure:
 def fig_is_ratio_by_c(runs: list[Run], smooth: int = 1) -> Figure:
     """Fig. 1: the mean sequence IS ratio of the correct rollouts of groups with c correct, per c over steps:
     before clipping sets in, scarce correct rollouts (low c, large advantage) move their ratio furthest."""
-    cs = sorted({int(k.split("/c")[1]) for r in runs for k in r.series if re.match(r"^is_ratio/c\d+$", k)}) or [1]
+    cs = sorted({c for r in runs for c in logged_cs("is_ratio", r.series)}) or [1]
     return _panels_by_c(runs, cs, "is_ratio", "mean IS ratio, correct rollouts", smooth,
                         "IS ratio of correct rollouts by group success count c, off-policy updates (paper Fig. 1)",
                         ref=1.0)
@@ -115,12 +114,12 @@ def _panels_by_c(runs: list[Run], cs: list[int], metric: str, ylabel: str, smoot
         if ref is not None:
             ax.axhline(ref, color="0.6", linewidth=0.8, label=f"{REF_PREFIX}ratio {ref:g}")
         for i, r in enumerate(runs):
-            plot_series(ax, r.get(f"{metric}/c{c}"), r.label, i, smooth)
+            plot_series(ax, r.get(per_c(metric, c)), r.label, i, smooth)
         ax.set_title(f"c = {c}{hint(c)}", fontsize=10)
         if ax.get_subplotspec().is_first_col():
             ax.set_ylabel(ylabel)
-        if not any(r.get(f"{metric}/c{c}") for r in runs):
-            no_data(ax, f"{metric}/c{c}")
+        if not any(r.get(per_c(metric, c)) for r in runs):
+            no_data(ax, per_c(metric, c))
     return finish(fig, runs, title, smooth)
 
 

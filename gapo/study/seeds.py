@@ -30,6 +30,7 @@ from matplotlib.figure import Figure
 from scipy import stats
 
 from gapo.errors import ConfigError
+from gapo.rundir import logged_cs, per_c
 from gapo.study import endpoints
 from gapo.study.figures import (
     ALL_STEPS,
@@ -317,7 +318,7 @@ def training_estimates(groups: dict[str, list[Run]],
     for label, runs in groups.items():
         rows = []
         for r in runs:
-            row = {f"clip_frac/c{c}": (t.frac, (t.clipped, t.units)) for c, t in clip_totals(r, window).items()}
+            row = {per_c("clip_frac", c): (t.frac, (t.clipped, t.units)) for c, t in clip_totals(r, window).items()}
             row |= {key: v for key in WINDOW_METRICS if (v := window_mean(r, key, window)) is not None}
             if (overall := window_counts(r, "clip_all", "clip_units", window)) is not None:
                 row["clip_frac"] = (overall[0] / overall[1], overall)  # exact over the window, as per c
@@ -325,7 +326,7 @@ def training_estimates(groups: dict[str, list[Run]],
         per_run[label] = rows
         seeds[label] = [run_seed(r) for r in runs]
     keys = {k for rows in per_run.values() for row in rows for k in row}
-    clip_keys = sorted((k for k in keys if k.startswith("clip_frac/c")), key=lambda k: int(k.split("/c")[1]))
+    clip_keys = [per_c("clip_frac", c) for c in logged_cs("clip_frac", keys)]
     metrics = [k for k in WINDOW_METRICS if k in keys] + clip_keys
     def estimate(key: str, rows: list[dict], label_seeds: list[int]) -> Estimate:
         got = [(row[key], s) for row, s in zip(rows, label_seeds, strict=True) if key in row]
@@ -627,16 +628,16 @@ def fig_clip_vs_c(groups: dict[str, list[Run]], window: Window) -> Figure | None
 def build_figures(groups: dict[str, list[Run]], window: Window = ALL_STEPS,
                   smooth: int = 1) -> dict[str, Figure | None]:
     all_runs = [r for runs in groups.values() for r in runs]
-    cs = sorted({int(k.split("/c")[1]) for r in all_runs for k in r.series if re.match(r"^clip_frac/c\d+$", k)})
-    ratio_cs = sorted({int(k.split("/c")[1]) for r in all_runs for k in r.series if re.match(r"^is_ratio/c\d+$", k)})
+    cs = sorted({c for r in all_runs for c in logged_cs("clip_frac", r.series)})
+    ratio_cs = sorted({c for r in all_runs for c in logged_cs("is_ratio", r.series)})
     benches = _bench_order({m.group(1) for r in all_runs for k in r.series if (m := _VAL_PASS1.match(k))})
     cover = _bench_order({m.group(1) for r in all_runs for k in r.series if (m := _VAL_COVERAGE.match(k))})
     figs: dict[str, Figure | None] = {
-        "clip_by_c.png": _panels(groups, [(f"clip_frac/c{c}", f"c = {c}") for c in cs] or [("clip_frac/c1", "c = 1")],
+        "clip_by_c.png": _panels(groups, [(per_c("clip_frac", c), f"c = {c}") for c in cs or [1]],
                                  "Clip fraction of correct rollouts by c, off-policy updates (paper Fig. 3)", smooth,
                                  max_cols=4, sharey=True),
         "clip_vs_c.png": fig_clip_vs_c(groups, window),
-        "is_ratio_by_c.png": _panels(groups, [(f"is_ratio/c{c}", f"c = {c}") for c in ratio_cs],
+        "is_ratio_by_c.png": _panels(groups, [(per_c("is_ratio", c), f"c = {c}") for c in ratio_cs],
                                      "IS ratio of correct rollouts by c, off-policy updates (paper Fig. 1)", smooth,
                                      max_cols=4, sharey=True) if ratio_cs else None,
         "is_adv_corr.png": _panels(groups, [("is_adv_corr", "over rollouts with A ≠ 0, off-policy updates")],

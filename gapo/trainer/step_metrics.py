@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from gapo.reward.types import status_counts
+from gapo.rundir import per_c
 from gapo.trainer.losses import MAX_LOG_RATIO, RolloutStats
 
 if TYPE_CHECKING:
@@ -207,10 +208,10 @@ def mismatch_metrics(s: MismatchStats, correction: bool) -> dict[str, float]:
     cs = sorted({int(x) for x in s.c[has]})
     for cc in cs:
         sel = has & (s.c == cc)
-        out[f"logprob_mismatch/kl_k1/c{cc}"] = float(s.k1_sum[sel].sum() / s.n_tokens[sel].sum())
-        out[f"logprob_mismatch/kl_k3/c{cc}"] = float(s.k3_sum[sel].sum() / s.n_tokens[sel].sum())
+        out[per_c("logprob_mismatch/kl_k1", cc)] = float(s.k1_sum[sel].sum() / s.n_tokens[sel].sum())
+        out[per_c("logprob_mismatch/kl_k3", cc)] = float(s.k3_sum[sel].sum() / s.n_tokens[sel].sum())
     if correction:
-        for suffix, sel in [("", has), *((f"/c{cc}", has & (s.c == cc)) for cc in cs)]:
+        for suffix, sel in [("", has), *((per_c("", cc), has & (s.c == cc)) for cc in cs)]:
             n_tok, kept, n_seq = float(s.n_tokens[sel].sum()), float(s.kept[sel].sum()), float(sel.sum())
             out.update({f"rollout_is/masked_token_frac{suffix}": 1 - kept / n_tok,
                         f"rollout_is/masked_seq_frac{suffix}": float((s.kept[sel] < s.n_tokens[sel]).sum()) / n_seq,
@@ -252,11 +253,11 @@ def loss_metrics(s: RolloutStats, is_level: IsLevel) -> dict[str, float]:
     for cc in range(1, kmax):
         sel = pos & (s.c == cc)
         if sel.any():
-            out[f"clip_frac/c{cc}"] = float(hi[sel].sum() / units[sel].sum().clamp(min=1))
-            out[f"is_ratio/c{cc}"] = float(ratio[sel].mean())
-            out[f"clip_hi/c{cc}"] = float(hi[sel].sum())
-            out[f"clip_units/c{cc}"] = float(units[sel].sum())
-            out[f"n_correct/c{cc}"] = float(sel.sum())
+            out[per_c("clip_frac", cc)] = float(hi[sel].sum() / units[sel].sum().clamp(min=1))
+            out[per_c("is_ratio", cc)] = float(ratio[sel].mean())
+            out[per_c("clip_hi", cc)] = float(hi[sel].sum())
+            out[per_c("clip_units", cc)] = float(units[sel].sum())
+            out[per_c("n_correct", cc)] = float(sel.sum())
     nz = (s.adv != 0) & has
     out["is_adv_corr"] = pearson(ratio[nz], s.adv[nz].double())
     out["is_ratio/mean"] = float(ratio[has].mean()) if has.any() else 1.0
