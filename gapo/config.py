@@ -379,6 +379,9 @@ class RolloutConfig(_Section):
                                  "cross a gloo bridge after every step (gapo/rollout/split.py).")
     generator_ranks: int = Field(0, ge=0, description="split: how many of the job's ranks run an engine only "
                                                       "(at most as many as the training ranks).")
+    transport: Literal["gloo"] = Field(
+        "gloo", description="split: what carries rollouts and weights between trainer and generator ranks "
+                            "(gapo.rollout.transport.TRANSPORTS): gloo, point to point through host memory.")
     max_staleness: int = Field(
         0, ge=0, description="split: while the trainer trains step n, the generators sample steps up to n + this, "
                              "so step n's rollouts come from the weights of step n-1-j, j <= max_staleness. 0: "

@@ -318,3 +318,31 @@ def test_a_dead_generator_ends_the_run_at_once_saying_which(tmp_path):
     assert f"rank 2 (pid {pids[2]}) died: killed by SIGKILL" in err, err[-3000:]
     assert f"the last checkpoint is {out / 'checkpoints' / 'step_000002'}" in err
     assert Path(out / "checkpoints" / "step_000002" / "in_flight_rank0.pt").is_file()
+
+
+def test_rollout_transport_names_the_rows_of_the_transport_table():
+    """rollout.transport chooses the split job's Transport (gapo.rollout.transport.TRANSPORTS): each choice is a row,
+    and each row has the protocol's methods."""
+    from typing import get_args
+
+    from gapo.config import RolloutConfig
+    from gapo.rollout.transport import TRANSPORTS, Transport
+
+    assert set(get_args(RolloutConfig.model_fields["transport"].annotation)) == set(TRANSPORTS)
+    methods = {m for m in vars(Transport) if not m.startswith("_")}
+    assert methods == {"send", "recv", "send_weights", "recv_weights", "release"}
+    for cls in TRANSPORTS.values():
+        assert all(callable(getattr(cls, m, None)) for m in methods), cls
+
+
+def test_every_engine_has_the_engine_protocols_methods():
+    """The loop and the rollout queue call only what gapo.rollout.engine.Engine names (sleep included)."""
+    from gapo.rollout.engine import Engine
+    from gapo.rollout.hf_engine import HFEngine
+    from gapo.rollout.split import RemoteEngine
+    from gapo.rollout.vllm_engine import VLLMEngine
+
+    methods = {m for m in vars(Engine) if not m.startswith("_")}
+    assert {"generate", "push_weights", "sleep"} <= methods
+    for cls in (VLLMEngine, HFEngine, RemoteEngine):
+        assert all(callable(getattr(cls, m, None)) for m in methods), cls

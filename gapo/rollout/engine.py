@@ -25,6 +25,12 @@ class Engine(Protocol):
         and labels its rollouts with that version. Returns what arrived, for gapo.trainer.sync to check."""
         ...
 
+    def sleep(self) -> None:
+        """Give back the accelerator memory of weights and KV cache while the trainer works
+        (rollout.sleep_between_steps); the next push_weights wakes the engine. Only vLLM on a GPU can: the config
+        refuses the setting elsewhere, and the other engines raise."""
+        ...
+
 
 def build_engine(kind: str, model_dir: str, *, dtype: str, seed: int, max_model_len: int,
                  gpu_memory_utilization: float = 0.5, kv_cache_gb: float | None = None, sleep_mode: bool = False,

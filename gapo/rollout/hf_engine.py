@@ -61,6 +61,9 @@ class HFEngine:
             groups.append(group)
         return groups
 
+    def sleep(self) -> None:
+        raise RuntimeError("the hf engine cannot sleep (rollout.sleep_between_steps needs rollout.engine=vllm)")
+
     @torch.no_grad()
     def push_weights(self, weights: Iterable[tuple[str, Tensor]], version: int) -> PushReceipt:
         """copy_ moves each tensor to the engine's device, whichever device the trainer gathered it on."""

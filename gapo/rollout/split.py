@@ -99,6 +99,10 @@ class RemoteEngine:
             self.ready.append(reply)
         return reply.groups
 
+    def sleep(self) -> None:
+        raise RuntimeError("a split job's generator keeps its engine awake (rollout.sleep_between_steps has no use "
+                           "with rollout.placement=split)")
+
     def push_weights(self, weights: Iterable[tuple[str, Tensor]], version: int) -> PushReceipt:
         """The leader streams the gathered weights to the generator; the other trainers only drive the collective
         gather (the iterator) and wait for the same receipt. The header goes first: the generator counts it before

@@ -55,6 +55,12 @@ def _wait(work, peer: int, what: str) -> None:
                        "train.log") from err
 
 
+def build_transport(kind: str, placement: Placement) -> Transport:
+    """rollout.transport's Transport for a split job's rank; a new transport is a class with the five methods above
+    and a row in TRANSPORTS (rollout.transport's choices name the rows)."""
+    return TRANSPORTS[kind](placement)
+
+
 class GlooBridge:
     """A Transport over a gloo group of all T + G ranks, point to point only, on every device: on GPU the weights cross
     it through host memory (correct, slower than vLLM's NCCL weight transfer; GPU unverified here).
@@ -118,3 +124,6 @@ class GlooBridge:
         for work, dst, _ in self.pending:
             _wait(work, dst, "sending to")
         self.pending = []
+
+
+TRANSPORTS: dict[str, type] = {"gloo": GlooBridge}

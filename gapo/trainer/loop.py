@@ -39,7 +39,7 @@ from gapo.models import check_context_budget, resolve_model
 from gapo.reward.registry import check_rewards, load_modules, score_groups, training_set
 from gapo.rollout import split
 from gapo.rollout.engine import Engine, build_engine
-from gapo.rollout.transport import GlooBridge, PeerGone
+from gapo.rollout.transport import PeerGone, Transport, build_transport
 from gapo.rollout.types import SamplingConfig
 from gapo.tracking import Tracker
 from gapo.trainer import checkpoint, preempt, sync
@@ -206,7 +206,7 @@ def setup(cfg: Config, rank: int, world: int, remote: split.RemoteEngine | None)
 def train(cfg: Config) -> Path | None:
     preempt.install()  # SIGTERM / SIGUSR1: stop at the next safe point, save, exit PREEMPTED
     placement = init_distributed(cfg.trainer.collective_timeout_min, cfg.rollout.generator_ranks)
-    link = GlooBridge(placement) if placement.generators else None
+    link = build_transport(cfg.rollout.transport, placement) if placement.generators else None
     if placement.is_generator:
         serve_rollouts(cfg, placement, link)
         return None
@@ -227,7 +227,7 @@ def train(cfg: Config) -> Path | None:
     return run_dir
 
 
-def serve_rollouts(cfg: Config, placement: Placement, link: GlooBridge) -> None:
+def serve_rollouts(cfg: Config, placement: Placement, link: Transport) -> None:
     """A generator rank (split placement): sample for the trainers until they stop."""
     why = split.serve(placement, link, lambda model_dir, max_model_len: engine_of(
         cfg, model_dir, max_model_len, seed=cfg.trainer.seed + placement.global_rank))
