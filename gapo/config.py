@@ -696,6 +696,11 @@ def read_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_Loader)  # a SafeLoader: no arbitrary objects
 
 
+# A command-line token that is a config setting, key.path=value: what gapo-sweep and gapo-eval take from among their
+# flags and positional paths (gapo-train takes every positional word as one).
+OVERRIDE = re.compile(r"^[A-Za-z_]\w*(\.\w+)+=")
+
+
 def _parse_override(item: str) -> tuple[list[str], Any]:
     if "=" not in item:
         raise ConfigError(f"override {item!r}: expected key.path=value, e.g. trainer.lr=2e-6")

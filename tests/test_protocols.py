@@ -87,3 +87,14 @@ def test_help_says_where_each_default_comes_from():
                  "default: the protocol's, else 0.6", "default: the protocol's, else 3072",
                  "qwen_math, llama_math (Table 3)"):
         assert part in " ".join(text.split()), part
+
+
+def test_key_path_settings_reach_the_config_and_need_one(capsys):
+    """gapo-eval --config qwen_math eval.protocol.n=8: the setting changes the protocol as on gapo-train's command
+    line (a --run folder list around it stays folders); without --config it is refused by name."""
+    args = parser().parse_args(["--run", "a", "b", "--config", "qwen_math"])
+    args.overrides = ["eval.protocol.n=8"]
+    apply_protocol(args)
+    assert args.n == 8 and args.run == ["a", "b"]
+    assert main(["--model", "m", "eval.protocol.n=8"]) == 2
+    assert "eval.protocol.n=8: a key.path=value setting applies to the --config" in capsys.readouterr().err

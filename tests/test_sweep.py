@@ -665,3 +665,23 @@ def test_usage_shows_one_mode_is_required_and_the_eval_list_flag(capsys):
         main(["--help"])
     out = capsys.readouterr().out
     assert "--eval [--list]" in out and "(--list: print" in out and "(--print: list)" not in out
+
+
+def test_key_path_overrides_reach_every_run_and_leave_slurms_dir_alone(capsys, tmp_path):
+    """gapo-sweep NAME --print key.path=value: the setting on every run's command after the run's own (so that it
+    wins), and never taken for --slurm's optional DIR; a misspelt key is a config error naming it."""
+    from gapo.errors import Exit
+    from gapo.study.sweep import main
+
+    assert main(["tiny_cpu", "--print", "trainer.lr=3e-4"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(load_manifest("tiny_cpu").runs) * len(load_manifest("tiny_cpu").seeds)
+    for line in lines:
+        words = shlex.split(line)
+        assert words.index("trainer.lr=3e-4") > max(i for i, w in enumerate(words) if w.startswith("algorithm."))
+        cfg = load_config(words[2], [w for w in words if "=" in w and not w.startswith("-")])
+        assert cfg.trainer.lr == 3e-4
+    assert main(["tiny_cpu", "--slurm", str(tmp_path / "s"), "trainer.lr=3e-4"]) == 0
+    assert "trainer.lr=3e-4" in (tmp_path / "s" / "tiny_cpu.runs.sbatch").read_text()
+    assert main(["tiny_cpu", "--print", "trainer.lrr=3e-4"]) == Exit.CONFIG
+    assert "trainer.lrr" in capsys.readouterr().err

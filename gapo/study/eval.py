@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from gapo import console, rundir
 from gapo.config import (
+    OVERRIDE,
     CompileMode,
     ConfigError,
     DataConfig,
@@ -93,8 +94,12 @@ def apply_protocol(args: argparse.Namespace) -> str | None:
     --config, else from FALLBACK; flags given explicitly win. Returns a line saying what came from where
     (None without --config)."""
     note = None
+    overrides = getattr(args, "overrides", [])
+    if overrides and not args.protocol:
+        raise ConfigError(f"{overrides[0]}: a key.path=value setting applies to the --config it follows; give "
+                          "--config NAME, or set gapo-eval's own flags (--n, --temperature, ...)")
     if args.protocol:
-        p = load_config(args.protocol).eval.protocol
+        p = load_config(args.protocol, overrides).eval.protocol
         if p is None:
             raise ConfigError(f"--config {args.protocol}: the config has no eval.protocol section (the paper configs "
                               "qwen_math, llama_math, r1_distill_math and deepcoder have one)")
@@ -118,7 +123,8 @@ def parser() -> argparse.ArgumentParser:
         prog="gapo-eval", description="pass@k of a model on benchmarks (vLLM).",
         epilog="Each of --benchmarks, --n, --temperature, --top-p, --max-new-tokens comes from the flag when given, "
                "else from the --config config's eval.protocol (a paper table's settings), else from the default "
-               "shown. Example: gapo-eval --model runs/qwen_math_gapo --config qwen_math (Table 3).")
+               "shown. Example: gapo-eval --model runs/qwen_math_gapo --config qwen_math (Table 3). key.path=value "
+               "words set the --config's fields as on gapo-train's command line (eval.protocol.n=64).")
     which = ap.add_mutually_exclusive_group(required=True)
     which.add_argument("--run", metavar="RUN_DIR", nargs="+",
                        help="evaluate these runs' checkpoints (--steps), one after another under one engine (runs of "
@@ -165,7 +171,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # key.path=value: settings of the --config (eval.protocol.n=8), taken out before the run folders are read
+    args = parser().parse_args([a for a in argv if not OVERRIDE.match(a)])
+    args.overrides = [a for a in argv if OVERRIDE.match(a)]
     try:
         note = apply_protocol(args)
         if note:

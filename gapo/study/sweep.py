@@ -1,6 +1,8 @@
 """gapo-sweep: a paper table or figure as one manifest, runs x seeds, and the commands that make it.
 
     gapo-sweep FILE --print        one fully resolved gapo-train command per line (any scheduler)
+    gapo-sweep FILE --print trainer.lr=1e-6   key.path=value after the mode: a setting for every run (after each
+                                   run's own), as on gapo-train's command line; output folders stay the manifest's
     gapo-sweep FILE --slurm        SLURM job arrays (runs; branches, each after its parent; each run's evaluation
                                    after it) and submit.sh, which submits them from any folder
     gapo-sweep FILE --eval --slurm the evaluation array alone and submit_eval.sh (evaluated checkpoints skipped)
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gapo import rundir
-from gapo.config import ConfigError, load_config
+from gapo.config import OVERRIDE, ConfigError, load_config
 from gapo.errors import Exit
 from gapo.study import slurm
 from gapo.study.budget import budget
@@ -126,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     modes = " | ".join(["--print", "--run", "--rehearse", "--eval [--list]", "--budget",
                         *(f"--{name} [DIR] [--eval]" for name in BACKENDS)])
     p = argparse.ArgumentParser(prog="gapo-sweep", description=__doc__.split("\n\n")[0],
-                                usage=f"%(prog)s MANIFEST ({modes}) [options]",
+                                usage=f"%(prog)s MANIFEST ({modes}) [options] [key.path=value ...]",
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n")[1])
     p.add_argument("manifest", help="experiments/NAME.yaml, or NAME")
     what = p.add_mutually_exclusive_group()
@@ -146,7 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     sched = p.add_argument_group("with --slurm: over the manifest's slurm: block")
     for flag in ("partition", "account", "qos", "constraint", "time", "eval-time", "mem"):
         sched.add_argument(f"--{flag}", metavar="VALUE")
-    args = p.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # key.path=value: a config setting for every run (not a DIR of --slurm, which takes an optional value)
+    overrides = [a for a in argv if OVERRIDE.match(a)]
+    args = p.parse_args([a for a in argv if not OVERRIDE.match(a)])
     scheduler = next((name for name in BACKENDS if getattr(args, name) is not None), None)
     if scheduler and (args.show or args.run or args.rehearse or args.budget):
         p.error(f"--{scheduler} goes alone or with --eval")
@@ -155,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
                 "is required")
     try:
         m = load_manifest(args.manifest)
+        if overrides:  # after each run's own, so that they win; the output folders stay the manifest's
+            m = m.model_copy(update={"runs": [r if r.use else r.model_copy(update={"overrides": [*r.overrides,
+                                                                                              *overrides]})
+                                              for r in m.runs]})
         js = jobs(m, args.output_root)
         check(m, js)
         if scheduler:
