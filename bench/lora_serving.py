@@ -23,7 +23,7 @@ def prepare(out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from gapo.config import load_config
+    from gapo.configfile import load_config
     from gapo.models import resolve_model
     from gapo.trainer.actor import with_lora
 

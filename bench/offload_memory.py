@@ -61,7 +61,7 @@ def run_case(case: str, steps: int) -> dict:
     import torch
 
     import gapo.trainer.actor as actor_mod
-    from gapo.config import load_config
+    from gapo.configfile import load_config
     from gapo.distributed import init_distributed
     from gapo.memory import largest_param, offload_host_bytes, param_count
     from gapo.models import model_facts, resolve_model

@@ -41,7 +41,7 @@ MODES = [("truncate", "token"), ("truncate", "sequence"), ("mask", "token"), ("m
 
 def sample(dtype: str, prompts: int, out: str) -> None:
     """In its own process (one vLLM engine per process): the demo's rollouts in `dtype`, saved with their c."""
-    from gapo.config import load_config
+    from gapo.configfile import load_config
     from gapo.data import arithmetic_problems, build_prompt_ids, stop_token_ids
     from gapo.distributed import init_distributed
     from gapo.models import resolve_model

@@ -120,7 +120,7 @@ def divides(cfg, trainers: int) -> bool:
 
 
 def predict(mean_frac: float = MEAN_FRAC) -> None:
-    from gapo.config import load_config
+    from gapo.configfile import load_config
     from gapo.models import model_facts
 
     print(f"\nPREDICTED GPU step times (a roofline model, not a measurement; 1 node x {NODE_GPUS} GPUs): "

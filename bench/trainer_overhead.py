@@ -21,7 +21,7 @@ from dataclasses import replace
 import torch
 from _util import median
 
-from gapo.config import resolve
+from gapo.configfile import resolve
 from gapo.data import arithmetic_problems, build_prompt_ids
 from gapo.distributed import init_distributed
 from gapo.models import resolve_model

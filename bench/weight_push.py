@@ -39,7 +39,7 @@ def gather_worker(reps: int) -> None:
     """One rank of the torchrun child: time full iterations of gathered_weights; rank 0 prints JSON last."""
     import torch.distributed as dist
 
-    from gapo.config import resolve
+    from gapo.configfile import resolve
     from gapo.trainer.actor import Actor
 
     rank = init_distributed().rank

@@ -12,7 +12,8 @@ import sys
 import textwrap
 
 from gapo import console, rundir
-from gapo.config import ConfigError, dump_config, field_descriptions, load_config
+from gapo.config import ConfigError
+from gapo.configfile import dump_config, field_descriptions, load_config
 from gapo.distributed import free_port, share_cores
 from gapo.errors import EXPLAINED, Exit
 
@@ -160,7 +161,7 @@ FIRST_FIELDS = ("model.path", "data.train", "algorithm.name", "trainer.lr", "rol
 def written_for(config: str) -> int:
     """The --nproc of the command a config opens with (every shipped config's first line: `# gapo-train --config
     ... --nproc 8`), 1 when it names none or the file cannot be read (load_config has said why already)."""
-    from gapo.config import find_config_file
+    from gapo.configfile import find_config_file
 
     try:
         first = find_config_file(config).read_text().split("\n", 1)[0]

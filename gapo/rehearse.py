@@ -39,7 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gapo import rundir
-from gapo.config import CONFIGS_DIR, Config, ConfigError, dump_config, resolve
+from gapo.config import CONFIGS_DIR, Config, ConfigError
+from gapo.configfile import dump_config, resolve
 from gapo.models import TINY, model_facts
 
 log = logging.getLogger("gapo.rehearse")

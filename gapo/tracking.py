@@ -12,7 +12,8 @@ import os
 from pathlib import Path
 
 from gapo import rundir
-from gapo.config import Config, dump_config
+from gapo.config import Config
+from gapo.configfile import dump_config
 
 
 class Tracker:

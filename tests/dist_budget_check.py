@@ -9,7 +9,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from gapo.config import resolve
+from gapo.configfile import resolve
 from gapo.distributed import init_distributed, leave_distributed
 from gapo.models import resolve_model
 from gapo.trainer.actor import Actor

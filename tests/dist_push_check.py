@@ -7,7 +7,7 @@ import sys
 import torch
 
 import gapo.trainer.logprobs as logprobs_mod
-from gapo.config import resolve
+from gapo.configfile import resolve
 from gapo.data import arithmetic_problems, build_prompt_ids
 from gapo.distributed import init_distributed, leave_distributed
 from gapo.models import resolve_model

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 from transformers import AutoTokenizer
 
-from gapo.config import resolve
+from gapo.configfile import resolve
 from gapo.distributed import init_distributed, leave_distributed
 from gapo.models import resolve_model
 from gapo.trainer import checkpoint

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from gapo.config import resolve
+from gapo.configfile import resolve
 from gapo.distributed import init_distributed, leave_distributed
 from gapo.models import resolve_model
 from gapo.rollout.types import Rollout

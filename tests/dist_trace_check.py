@@ -13,7 +13,7 @@ import torch
 from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
 
 import gapo.trainer.logprobs as logprobs_module
-from gapo.config import resolve
+from gapo.configfile import resolve
 from gapo.distributed import init_distributed, leave_distributed
 from gapo.models import resolve_model
 from gapo.trainer.actor import Actor

@@ -2,7 +2,7 @@
 
 import torch
 
-from gapo.config import resolve
+from gapo.configfile import resolve
 from gapo.data import Problem
 from gapo.reward.types import RewardResult
 from gapo.rollout.types import Rollout

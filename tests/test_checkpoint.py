@@ -219,7 +219,7 @@ def test_intervention_changes_the_loss_and_records_its_parent(base):
 def _refused_on_resume(run_dir: Path, resume: Path, *overrides: str) -> str:
     """The ConfigError that a gapo-train rank's first call (loop.setup: checkpoint.resume_or_branch, before anything
     is built) raises for this resume, in this process: a failing start of gapo-train costs ~10 s on 2 cores."""
-    from gapo.config import load_config
+    from gapo.configfile import load_config
     from gapo.trainer.checkpoint import resume_or_branch
 
     cfg = load_config("tiny_cpu", [f"trainer.output_dir={run_dir}", *BASE, f"trainer.resume_from={resume}",
@@ -281,14 +281,14 @@ def test_unsafe_changes_on_resume_are_refused(base, tmp_path, args, nproc, needl
 
 # --- the resume / branch decision on its own (no training: a checkpoint's files written by hand) ------------
 def _cfg(run_dir: Path, *overrides: str):
-    from gapo.config import load_config
+    from gapo.configfile import load_config
 
     return load_config("tiny_cpu", [f"trainer.output_dir={run_dir}", "algorithm.name=gspo", *overrides])
 
 
 def _fake_run(run_dir: Path, step: int = 2):
     """A run directory whose latest checkpoint holds what checkpoint.read checks, written by gspo on 1 rank."""
-    from gapo.config import dump_config
+    from gapo.configfile import dump_config
     from gapo.trainer import checkpoint
 
     cfg = _cfg(run_dir)
@@ -409,7 +409,7 @@ def test_resume_auto_goes_on_from_the_newest_valid_or_starts_fresh(tmp_path):
 def test_pruning_keeps_keep_steps_and_keep_every(tmp_path):
     """The intervention config as shipped (save every 100, keep the newest 3, 1000 steps): when step 900 is saved,
     the branch point 600 is still there, and still after the run ends; keep_every spares its multiples."""
-    from gapo.config import load_config
+    from gapo.configfile import load_config
     from gapo.trainer.checkpoint import _prune
 
     t = load_config("gspo_intervention").trainer

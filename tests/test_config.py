@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gapo.config import PRESETS, AlgorithmConfig, ConfigError, load_config, resolve
+from gapo.config import PRESETS, AlgorithmConfig, ConfigError
+from gapo.configfile import load_config, resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -274,7 +275,7 @@ def test_one_description_of_each_clip_rule_for_every_display(name, words):
 
 
 def test_offload_sets_the_stage_it_needs_and_refuses_what_deepspeed_cannot_do():
-    from gapo.config import resolve
+    from gapo.configfile import resolve
 
     one = resolve({"trainer": {"offload": {"optimizer": "cpu"}}})
     assert one.zero_stage(1) == 2 and one.zero_stage(4) == 3  # one rank: ZeRO-Offload's stage; several: as set

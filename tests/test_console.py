@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gapo.config import load_config
+from gapo.configfile import load_config
 from gapo.console import run_header, step_line
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,7 +8,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from gapo.config import ConfigError, resolve
+from gapo.config import ConfigError
+from gapo.configfile import resolve
 from gapo.data import Sampler, arithmetic_problems, load_problems, load_training_set, tokenize_problems
 from gapo.models import resolve_model
 

@@ -333,7 +333,7 @@ def test_window_on_records_without_a_date_names_the_field_and_the_way_out(tmp_pa
 
 
 def test_deepcoder_validates_and_reports_on_the_lcb_v5_window():
-    from gapo.config import load_config
+    from gapo.configfile import load_config
 
     ev = load_config("deepcoder").eval
     assert ev.benchmarks[0] == ev.protocol.benchmarks[0] == "livecodebench@2024-08-01:2025-02-01"

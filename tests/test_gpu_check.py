@@ -136,7 +136,7 @@ def test_the_model_is_sized_from_the_device():
 def test_the_one_gpu_row_runs_the_recipe_settings(check, tmp_path):
     """The row's overrides come from configs/qwen_math_1gpu.yaml, and on tiny_cpu they give its path: the optimizer
     on the host (ZeRO-2 on one rank) and sleep mode on (off on the CPU, where vLLM refuses it)."""
-    from gapo.config import load_config
+    from gapo.configfile import load_config
 
     gpu = load_config("configs/tiny_cpu.yaml", check.recipe_overrides(check.RECIPE, sleep=True))
     assert gpu.trainer.offload.optimizer == "cpu" and gpu.zero_stage(1) == 2 and gpu.rollout.sleep_between_steps

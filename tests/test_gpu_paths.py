@@ -136,7 +136,7 @@ def test_every_engine_argument_is_one_vllm_knows_and_compile_modes_map(engine_ar
 
 
 def test_configs_written_before_rollout_compile_still_read():
-    from gapo.config import resolve
+    from gapo.configfile import resolve
 
     assert resolve({"rollout": {"enforce_eager": True}}).rollout.compile == "eager"
     assert resolve({"rollout": {"enforce_eager": False}}).rollout.compile == "auto"

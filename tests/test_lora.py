@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from gapo.config import load_config
+from gapo.configfile import load_config
 from gapo.models import resolve_model
 from gapo.trainer import actor as actor_mod
 
@@ -138,7 +138,7 @@ def test_without_lora_the_pushed_names_are_the_modules_own():
 
 
 def test_lora_is_off_by_default_and_one_key_switches_it_on_even_over_a_printed_null(tmp_path):
-    from gapo.config import dump_config
+    from gapo.configfile import dump_config
 
     off = load_config("configs/tiny_cpu.yaml")
     assert off.model.lora is None

@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 
-from gapo.config import load_config, resolve
+from gapo.configfile import load_config, resolve
 from gapo.memory import (
     OVERHEAD,
     VLLM_RESERVE,

@@ -5,7 +5,7 @@ exact across a save / load of its state (a resumed run continues bit for bit).""
 import pytest
 import torch
 
-from gapo.config import resolve
+from gapo.configfile import resolve
 from gapo.trainer.actor import adamw
 
 SHAPES = [(300, 40), (40,), (7, 5, 3)]

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gapo.config import load_config, resolve
+from gapo.configfile import load_config, resolve
 from gapo.models import check_context_budget
 
 ROOT = Path(__file__).resolve().parents[1]

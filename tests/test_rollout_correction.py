@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from gapo.config import AlgorithmConfig, ConfigError, RolloutCorrection, find_config_file, load_config
+from gapo.config import AlgorithmConfig, ConfigError, RolloutCorrection
+from gapo.configfile import find_config_file, load_config
 from gapo.trainer.logprobs import MicroBatch
 from gapo.trainer.losses import (
     MAX_LOG_RATIO,
@@ -105,7 +106,7 @@ def _mb(mask, adv):
 @pytest.mark.parametrize("name", ["gapo", "gspo", "grpo", "cispo"])
 def test_the_weight_multiplies_the_surrogate_of_every_clip_rule(name):
     """Clipping acts on pi_theta / pi_old as without the correction; the weight scales each token's term."""
-    from gapo.config import resolve
+    from gapo.configfile import resolve
 
     algo: AlgorithmConfig = resolve({"algorithm": {"name": name}}).algorithm
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
@@ -131,7 +132,7 @@ def test_masked_tokens_leave_the_normaliser():
     """As the loop applies it: masked tokens leave the loss mask before the step's token count is taken, so the
     kept tokens' loss is their mean over kept tokens (not over all, which would shrink it as masking grows); the
     forward's mask (resp_mask) keeps them, so both passes project the same tokens."""
-    from gapo.config import resolve
+    from gapo.configfile import resolve
 
     algo = resolve({"algorithm": {"name": "grpo"}}).algorithm
     mb = _mb(MASK, [1.0, 1.0])

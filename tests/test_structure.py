@@ -170,7 +170,8 @@ def test_sandbox_host_and_harness_are_separate_programs():
 
 
 @pytest.mark.parametrize("module, cls", [("gapo.rollout.hf_engine", "HFEngine"),
-                                         ("gapo.rollout.vllm_engine", "VLLMEngine")])
+                                         ("gapo.rollout.vllm_engine", "VLLMEngine"),
+                                         ("gapo.rollout.split", "RemoteEngine")])
 def test_engines_satisfy_the_engine_protocol(module, cls):
     """Same methods, same parameter names, as the Protocol (vllm itself is imported only when an engine is built)."""
     import importlib
@@ -179,7 +180,7 @@ def test_engines_satisfy_the_engine_protocol(module, cls):
 
     engine = getattr(importlib.import_module(module), cls)
     wanted = [name for name, f in vars(Engine).items() if inspect.isfunction(f) and not name.startswith("_")]
-    assert wanted == ["generate", "push_weights"]
+    assert wanted == ["generate", "push_weights", "sleep"]  # sleep: the rollout queue's (sleep_between_steps)
     for name in wanted:
         assert list(inspect.signature(getattr(engine, name)).parameters) == \
             list(inspect.signature(getattr(Engine, name)).parameters), f"{cls}.{name}"

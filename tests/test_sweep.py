@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from gapo.config import ConfigError, load_config
+from gapo.config import ConfigError
+from gapo.configfile import load_config
 from gapo.study import slurm
 from gapo.study.manifest import EXPERIMENTS_DIR, graph, jobs, load_manifest
 
@@ -574,7 +575,7 @@ def test_gapo_train_help_names_the_signals_slurm_sends(capsys):
 
 def _settings(cfg) -> str:
     """A run's resolved settings without what only says where it writes, what it keeps or how it is tracked."""
-    from gapo.config import dump_config
+    from gapo.configfile import dump_config
 
     t = cfg.trainer.model_copy(update={"output_dir": None, "keep_steps": [], "keep_every": 0, "resume_from": None})
     return dump_config(cfg.model_copy(update={"trainer": t, "tracking": type(cfg.tracking)()}))

@@ -105,7 +105,7 @@ class StandIn:
 
 
 def probe_for(dtype: str, *overrides: str) -> sync.Probe:
-    from gapo.config import load_config
+    from gapo.configfile import load_config
 
     cfg = load_config("configs/tiny_cpu.yaml", [f"model.dtype={dtype}", *overrides])
     return sync.Probe.of(lambda text: {"input_ids": [1, 2, 3]}, cfg, pad_id=0)

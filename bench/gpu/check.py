@@ -278,7 +278,7 @@ def lora_step(state: dict) -> None:
 
 
 def nan_step(state: dict) -> None:
-    from gapo.config import resolve
+    from gapo.configfile import resolve
     from gapo.trainer.actor import Actor
     from gapo.trainer.logprobs import MicroBatch
 
@@ -347,7 +347,7 @@ def vllm_cycle(state: dict) -> None:
 
 
 def _push_cycle(engine, model_dir: str, dtype: str, gpu: bool) -> None:
-    from gapo.config import resolve
+    from gapo.configfile import resolve
     from gapo.rollout.types import SamplingConfig
     from gapo.trainer import sync
     from gapo.trainer.actor import Actor
@@ -402,7 +402,7 @@ def _close_engine(engine, model: weakref.ref | None, state: dict) -> None:
     gone, collected = entry not in distributed._AT_LEAVE, model is not None and model() is None
     value, ok = f"at-leave entry {'gone' if gone else 'KEPT'}, model {'collected' if collected else 'ALIVE'}", True
     if torch.cuda.is_available():  # GPU only; unverified on a GPU
-        from gapo.config import load_config
+        from gapo.configfile import load_config
 
         torch.cuda.empty_cache()  # what the engine's tensors left in PyTorch's cache is free for the next engine
         free, total = torch.cuda.mem_get_info()
@@ -460,7 +460,7 @@ def train_run(state: dict) -> None:
 def recipe_overrides(path: Path, sleep: bool) -> list[str]:
     """The one-GPU recipe's own rollout and trainer settings as command-line overrides, read from the file so the row
     follows it; sleep mode off where vLLM refuses it (the CPU)."""
-    from gapo.config import read_yaml
+    from gapo.configfile import read_yaml
 
     raw = read_yaml(path.read_text())
 
@@ -481,7 +481,7 @@ def recipe_overrides(path: Path, sleep: bool) -> list[str]:
 def one_gpu_run(state: dict) -> None:
     """configs/qwen_math_1gpu.yaml's path on one GPU, at tiny size: the optimizer step on the host (ZeRO-2 offload),
     vLLM asleep while the actor trains, woken for the push."""
-    from gapo.config import read_yaml
+    from gapo.configfile import read_yaml
 
     cpu_smoke = state["cpu_smoke"]
     overrides = recipe_overrides(RECIPE, sleep=not cpu_smoke)

@@ -60,7 +60,7 @@ def build_model(out: Path, shape: dict) -> int:
 def config(model: Path, run_dir: Path, prompts: int, new: int, offload: bool = False):
     """The two steps' config (the transformers engine, ZeRO-3 as configured, one rank: stage 1 in bf16; `offload`:
     the one-GPU recipe's optimizer offload, ZeRO-2 with torch's fused AdamW stepping on the host)."""
-    from gapo.config import resolve
+    from gapo.configfile import resolve
 
     rollouts = prompts * 8
     return resolve({
@@ -124,7 +124,7 @@ def run(cpu_smoke: bool, new_tokens: int, prompts: int, out: Path, shape: str = 
         build_model(model, TOY if cpu_smoke else SHAPES[shape])
 
     from gapo.cli import train_main
-    from gapo.config import dump_config
+    from gapo.configfile import dump_config
     from gapo.memory import param_count
 
     rollouts = prompts * 8

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gapo import rundir
-from gapo.config import AlgorithmConfig, fmt_eps, resolve
+from gapo.config import AlgorithmConfig, fmt_eps
+from gapo.configfile import resolve
 from gapo.errors import ConfigError
 from gapo.study.figures import PlotError, algorithm_of, md_cell
 

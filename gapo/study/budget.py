@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import re
 
-from gapo.config import Config, load_config
+from gapo.config import Config
+from gapo.configfile import load_config
 from gapo.study.manifest import Job, Manifest, Protocol, load_manifest
 
 

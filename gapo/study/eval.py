@@ -19,17 +19,8 @@ from typing import NamedTuple, get_args
 from pydantic import ValidationError
 
 from gapo import console, rundir
-from gapo.config import (
-    OVERRIDE,
-    CompileMode,
-    ConfigError,
-    DataConfig,
-    Dtype,
-    EngineKind,
-    RewardConfig,
-    load_config,
-    read_yaml,
-)
+from gapo.config import CompileMode, ConfigError, DataConfig, Dtype, EngineKind, RewardConfig
+from gapo.configfile import OVERRIDE, load_config, read_yaml
 from gapo.errors import Exit
 from gapo.evaluation import (
     Bench,

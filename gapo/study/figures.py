@@ -26,7 +26,8 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
 from gapo import rundir
-from gapo.config import AlgorithmConfig, ConfigError, read_yaml, resolve
+from gapo.config import AlgorithmConfig, ConfigError
+from gapo.configfile import read_yaml, resolve
 from gapo.rundir import logged_cs, per_c
 
 Series = list[tuple[int, float]]

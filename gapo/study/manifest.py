@@ -16,7 +16,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from gapo import rundir
-from gapo.config import CompileMode, Config, ConfigError, EvalProtocol, load_config, read_yaml
+from gapo.config import CompileMode, Config, ConfigError, EvalProtocol
+from gapo.configfile import load_config, read_yaml
 
 EXPERIMENTS_DIR = Path(__file__).resolve().parents[2] / "experiments"
 

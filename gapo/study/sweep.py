@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gapo import rundir
-from gapo.config import OVERRIDE, ConfigError, load_config
+from gapo.config import ConfigError
+from gapo.configfile import OVERRIDE, load_config
 from gapo.errors import Exit
 from gapo.study import slurm
 from gapo.study.budget import budget

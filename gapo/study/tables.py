@@ -27,7 +27,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from gapo import rundir
-from gapo.config import load_config
+from gapo.configfile import load_config
 from gapo.study.figures import load_run, md_cell, run_style
 from gapo.study.manifest import Job, Manifest, base_results, jobs
 from gapo.study.seeds import Estimate, ProportionEstimate, build_figures, difference_cell

@@ -36,7 +36,8 @@ from safetensors import SafetensorError
 from torch import Tensor
 
 from gapo import rundir
-from gapo.config import Config, ConfigError, dump_config, read_yaml, resolve
+from gapo.config import Config, ConfigError
+from gapo.configfile import dump_config, read_yaml, resolve
 from gapo.distributed import gather
 from gapo.faults import requested
 

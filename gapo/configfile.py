@@ -1,0 +1,267 @@
+"""Reading a config: YAML files (a `base:` chain merged), dotted command-line overrides, the preset named by
+`algorithm.name` filled in, "null: another field" defaults resolved once, and the result validated into a
+gapo.config.Config; and writing one back (the run's config.yaml, `--print-config`, `--help`'s field list).
+
+Why apart from the schema: gapo/config.py says what a valid run is; this file says how text on disk and on a
+command line becomes one, which is where presets, upgrades of old run folders and error messages live.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import re
+import textwrap
+from pathlib import Path
+from typing import Any, get_args
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from gapo.clip import RULES, UPPER_FIELDS
+from gapo.config import CONFIGS_DIR, DEFAULT_CLIP_WIDTHS, PRESET_SWITCHES, PRESETS, Config, fmt_eps
+from gapo.errors import ConfigError
+from gapo.rundir import run_of
+
+log = logging.getLogger("gapo.config")
+
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1, but only true/false are booleans (as in YAML 1.2): a bare `off`, `on`, `yes` or `no` stays the
+    word, so `mode: off` names the mode; a bool field still reads those words (pydantic's lax booleans)."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                              list("tTfF"))
+
+
+def read_yaml(text: str) -> Any:
+    """Configs, overrides, manifests and the configs saved in runs and checkpoints are read with this one loader
+    (YAML 1.1's yes/no/on/off stay strings: only true/false are booleans)."""
+    return yaml.load(text, Loader=_Loader)  # a SafeLoader: no arbitrary objects
+
+
+# A command-line token that is a config setting, key.path=value: what gapo-sweep and gapo-eval take from among their
+# flags and positional paths (gapo-train takes every positional word as one).
+OVERRIDE = re.compile(r"^[A-Za-z_]\w*(\.\w+)+=")
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r}: expected key.path=value, e.g. trainer.lr=2e-6")
+    key, raw = item.split("=", 1)
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {item!r}: empty key path")
+    value = read_yaml(raw) if raw != "" else ""
+    if isinstance(value, str) and _FLOAT.fullmatch(value):  # YAML 1.1 reads 2e-6 (no dot) as a string
+        value = float(value)
+    return key.split("."), value
+
+
+def _set_path(tree: dict, path: list[str], value: Any) -> None:
+    node = tree
+    for i, part in enumerate(path[:-1]):
+        child = node.setdefault(part, {})
+        if child is None:  # a section that is off (model.lora: null) is switched on by setting one of its keys
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {'.'.join(path)}: {'.'.join(path[:i + 1])} is not a section")
+        node = child
+    node[path[-1]] = value
+
+
+def _format_errors(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        path = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            lines.append(f"{path}: unknown key (check the spelling; see `gapo-train --print-config`)")
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+            got = f" (got {e['input']!r})" if e["type"] != "value_error" and not isinstance(e["input"], dict) else ""
+            lines.append(f"{path}: {msg}{got}" if path else msg)
+    return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def find_config_file(name: str | Path) -> Path:
+    """A path that exists wins; a bare name falls back to the configs shipped with the package."""
+    p = Path(name)
+    if p.is_file():
+        return p
+    for cand in (CONFIGS_DIR / p.name, CONFIGS_DIR / f"{p.name}.yaml"):
+        if p.parent == Path(".") and cand.is_file():
+            return cand
+    raise ConfigError(f"config file {str(name)!r} not found (nor among the shipped configs in {CONFIGS_DIR})")
+
+
+def resolve(raw: dict | None = None, overrides: list[str] | tuple[str, ...] = (),
+            config_name: str | None = None) -> Config:
+    """Merge raw YAML data (a config file), dotted overrides (the command line) and the algorithm preset.
+
+    Precedence: command line > file > preset. One exception makes baseline commands mean what they say:
+    when the command line names another algorithm than the file (`--config qwen_math algorithm.name=grpo`),
+    the file's method switches (PRESET_SWITCHES) are dropped, because they described the file's method;
+    the file's model-level settings (`clip_widths`, `correct_threshold`, `kl_coef`, `loss_constant`) stay.
+
+    `config_name`: the config's name (its file's), for the run directory when neither the file nor the command line sets
+    trainer.output_dir: runs/<name>/<method>/seed<seed> (see `default_output_dir`).
+    """
+    tree = copy.deepcopy(raw) if raw else {}
+    if not isinstance(tree, dict):
+        raise ConfigError(f"configuration must be a mapping of sections, got {type(tree).__name__}")
+    _upgrade(tree)
+    tree = {k: {} if v is None else v for k, v in tree.items()}  # a section left empty (all its keys commented out)
+    file_algo = tree.get("algorithm") or {}
+    if not isinstance(file_algo, dict):
+        raise ConfigError(f"algorithm: expected a mapping, got {file_algo!r}")
+    file_algo = dict(file_algo)  # as the file has it, before the overrides write into the tree
+    cli_algo: dict[str, Any] = {}
+    method_overrides: list[tuple[str, Any]] = []  # algorithm.* from the command line, for the run directory's name
+    for item in overrides:
+        path, value = _parse_override(item)
+        _set_path(tree, path, value)
+        if path[0] == "algorithm" and len(path) == 2:
+            cli_algo[path[1]] = value
+        if path[0] == "algorithm" and path[1:] != ["name"]:
+            method_overrides.append((".".join(path[1:]), value))
+    algo = tree.get("algorithm") or {}
+    if not isinstance(algo, dict):
+        raise ConfigError(f"algorithm: expected a mapping, got {algo!r}")
+    name = algo.get("name", "gapo")
+    if name not in PRESETS:
+        raise ConfigError(f"algorithm.name: unknown algorithm {name!r}; allowed: {', '.join(PRESETS)}")
+    if "name" in cli_algo and name != file_algo.get("name", "gapo"):
+        dropped = sorted(k for k in PRESET_SWITCHES if k in file_algo and k not in cli_algo)
+        if dropped:
+            log.info("algorithm.name=%s on the command line: not using the config file's %s (they set up %s)",
+                     name, ", ".join(f"algorithm.{k}" for k in dropped), file_algo.get("name", "gapo"))
+        algo = {k: v for k, v in algo.items() if k not in dropped}
+    merged = {**_preset_switches(name, algo), **{k: v for k, v in algo.items() if v is not None}}
+    # Configs written before each rule had its own shape carry both upper fields, always equal: keep the rule's.
+    own = RULES[merged["clip"]].upper_field if merged.get("clip") in RULES else UPPER_FIELDS[0]
+    other = UPPER_FIELDS[1 - UPPER_FIELDS.index(own)]
+    if other in merged and merged[other] == merged.get(own):
+        del merged[other]
+    tree["algorithm"] = merged
+    try:
+        cfg = Config.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err)) from None
+    # "null: another field" defaults, filled here once, so that every reader sees the value that runs.
+    if cfg.algorithm.loss_constant is None:
+        cfg.algorithm.loss_constant = float(cfg.rollout.max_new_tokens)
+    if cfg.eval.max_new_tokens is None:
+        cfg.eval.max_new_tokens = cfg.rollout.max_new_tokens
+    if cfg.eval.instruction is None:
+        cfg.eval.instruction = cfg.data.instruction
+    if cfg.trainer.output_dir is None:
+        cfg.trainer.output_dir = default_output_dir(cfg, config_name, method_overrides)
+    return cfg
+
+
+def default_output_dir(cfg: Config, name: str | None, method_overrides: list[tuple[str, Any]]) -> str:
+    """Where a run goes when nothing names its directory: runs/<config>/<method>/seed<seed>, the method being the
+    algorithm and any algorithm.* set on the command line (gspo-eps_hi5e-3), so that a config's baselines and
+    seeds never collide. A resumed run goes on in the run it resumes (a new algorithm there branches next to it)."""
+    if cfg.trainer.resume_from and cfg.trainer.resume_from != "auto":
+        return str(run_of(cfg.trainer.resume_from))
+    parts = [cfg.algorithm.name]
+    for key, value in sorted(method_overrides):
+        values = value if isinstance(value, list | tuple) else [value]
+        text = ",".join(fmt_eps(v) if isinstance(v, float) else str(v) for v in values)
+        parts.append(f"{key}{text}".replace("/", "_").replace(" ", ""))
+    return str(Path("runs") / (name or "run") / "-".join(parts) / f"seed{cfg.trainer.seed}")
+
+
+def _upgrade(tree: dict) -> None:
+    """Keys that configs written by earlier versions (run directories, checkpoints) carry, in today's terms."""
+    rollout = tree.get("rollout")
+    if isinstance(rollout, dict) and "enforce_eager" in rollout:  # before rollout.compile
+        eager = rollout.pop("enforce_eager")
+        rollout.setdefault("compile", "eager" if eager else "auto")
+
+
+def _preset_switches(name: str, algo: dict) -> dict[str, Any]:
+    """The preset's switches, its clip bounds taken from the config's widths for the preset's IS level; a
+    symmetric preset's upper bound follows an explicit eps_lo."""
+    preset = dict(PRESETS[name])
+    shape = preset.pop("shape", None)
+    if shape is None:  # CISPO: weight bounds of its own
+        return preset
+    widths = algo.get("clip_widths")
+    widths = {**DEFAULT_CLIP_WIDTHS, **(widths if isinstance(widths, dict) else {})}
+    pair = widths.get(preset["is_level"])
+    if not (isinstance(pair, list | tuple) and len(pair) == 2 and all(isinstance(x, int | float) for x in pair)):
+        raise ConfigError(f"algorithm.clip_widths.{preset['is_level']}: expected [eps_lo, eps_hi_max], got {pair!r}")
+    lo, hi = float(pair[0]), float(pair[1])
+    if RULES[preset["clip"]].upper_field == "eps_hi_max":  # a rule whose widest upper width is eps_hi_max (GAPO)
+        return {**preset, "eps_lo": lo, "eps_hi_max": hi}
+    own_lo = algo.get("eps_lo")
+    return {**preset, "eps_lo": lo, "eps_hi": (lo if own_lo is None else own_lo) if shape == "sym" else hi}
+
+
+def _merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def read_config_file(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:
+    """YAML as a dict; a top-level `base: other.yaml` (relative to this file, or a shipped name) is read
+    first and this file's keys are merged over it, so a variant config states only what differs."""
+    file = find_config_file(path).resolve()
+    if file in _seen:
+        raise ConfigError(f"{file}: `base` chain loops back to itself")
+    try:
+        raw = read_yaml(file.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{file}: not valid YAML: {err}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{file}: expected a mapping of sections, got {type(raw).__name__}")
+    base = raw.pop("base", None)
+    if base is None:
+        return raw
+    near = file.parent / base
+    return _merge(read_config_file(near if near.is_file() else base, (*_seen, file)), raw)
+
+
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    return resolve(read_config_file(path), overrides, config_name=find_config_file(path).stem)
+
+
+def dump_config(cfg: Config, *, comments: bool = False) -> str:
+    """The config as YAML; `comments`: each field's description above it (`--print-config`)."""
+    if not comments:
+        return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    return "".join(_commented(cfg, cfg.model_dump(mode="json"), ""))
+
+
+def _commented(model: BaseModel, data: dict, pad: str) -> list[str]:
+    out = []
+    for name, field in type(model).model_fields.items():
+        if field.description:
+            out += [f"{pad}# {line}\n" for line in textwrap.wrap(field.description, 98 - len(pad))]
+        value = getattr(model, name)
+        if isinstance(value, BaseModel):
+            out += [f"{pad}{name}:\n", *_commented(value, data[name], pad + "  ")]
+        else:
+            out.append(textwrap.indent(yaml.safe_dump({name: data[name]}, sort_keys=False), pad))
+    return out
+
+
+def field_descriptions(model: type[BaseModel] = Config, prefix: str = "") -> list[tuple[str, str]]:
+    """(dotted field name, description) of every described field, sections included (`--help`)."""
+    out = []
+    for name, field in model.model_fields.items():
+        if field.description:
+            out.append((prefix + name, field.description))
+        for sub in (field.annotation, *get_args(field.annotation)):  # a section, or an optional one
+            if isinstance(sub, type) and issubclass(sub, BaseModel):
+                out += field_descriptions(sub, f"{prefix}{name}.")
+    return out
