@@ -6,9 +6,10 @@ Per label: the final validation pass@1 per benchmark and training metrics over a
 interval over seeds (Student-t, df = seeds - 1, as the seeds are the units and few; clip fractions as
 ProportionEstimate says). Per pair of labels: Δ paired by trainer.seed, with a paired t-test. Same-seed runs share
 prompt order, rollout sampling and evaluation seeds, so pairing takes that shared noise out of the comparison,
-which an unpaired test (Welch's, once used here) leaves in its variance. The c × rule interaction, the primary
-endpoint, is paired the same way; its exact sign-flip p assumes only symmetry under no effect, where 3-5 pairs
-cannot check the t-test's normality, and Holm's correction holds its several label pairs to one family-wise error.
+which an unpaired test (Welch's, once used here) leaves in its variance. The laptop experiment's pre-registered
+endpoints (experiments/demo_mechanism_plan.md, computed by gapo/study/endpoints.py) are paired the same way; the
+c × rule interaction of the earlier five-seed design stays as an exploratory table. Beside each t-test, the exact
+sign-flip p assumes only symmetry under no effect, where a few pairs cannot check the t-test's normality.
 Writes DIR/compare.md with those tables and, with mean ± CI bands across seeds over steps, the figures of
 gapo-plot: is_ratio_by_c.png (Fig. 1), clip_by_c.png and clip_vs_c.png (Fig. 3), val_pass.png (Fig. 4),
 is_adv_corr.png (Fig. 5), coverage.png (Fig. 8) and training.png.
