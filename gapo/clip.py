@@ -43,7 +43,8 @@ class ClipRule:
                              "eps_lo must be < 1 (only clip=cispo allows 1.0)")
 
     def describe(self, lo: str, hi: str) -> str:
-        return f"fixed clip 1 - {lo} .. 1 + {hi}"
+        """The rule in words (the run header, the rehearsal report, gapo-plot): its name and its widest bounds."""
+        return f"{self.name} clip 1 - {lo} .. 1 + {hi}"
 
 
 @dataclass(frozen=True)

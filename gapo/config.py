@@ -413,11 +413,6 @@ class RewardConfig(_Section):
     math_last_number_fallback: bool = Field(
         False, description="Score a response with no boxed answer on its last number (the CPU demo's small model "
                            "rarely boxes).")
-    modules: list[str] = Field(
-        default_factory=list, description="Python files (path/to/my_reward.py, relative to where the command runs) "
-                                          "or importable modules that add rewarders to the rewarder table with "
-                                          "gapo.reward.registry.register; each process imports them before it "
-                                          "reads data.type (docs/own-data.md).")
 
 
 class OffloadConfig(_Section):
@@ -569,6 +564,12 @@ class TrackingConfig(_Section):
 
 
 class Config(_Section):
+    plugins: list[str] = Field(
+        default_factory=list, description="Python files (my_reward.py, relative to where the command runs; saved as "
+                                          "absolute paths) or importable modules, imported before the rest of the "
+                                          "config is read, in every process that reads it: they add rewarders "
+                                          "(gapo.reward.registry.register) or clip rules (gapo.clip.register) that "
+                                          "data.type and algorithm.clip can then name (docs/own-data.md).")
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)

@@ -115,7 +115,7 @@ def resolve(raw: dict | None = None, overrides: list[str] | tuple[str, ...] = ()
     if not isinstance(tree, dict):
         raise ConfigError(f"configuration must be a mapping of sections, got {type(tree).__name__}")
     _upgrade(tree)
-    tree = {k: {} if v is None else v for k, v in tree.items()}  # a section left empty (all its keys commented out)
+    tree = {k: {} if v is None and k != "plugins" else v for k, v in tree.items()}  # a section left empty
     file_algo = tree.get("algorithm") or {}
     if not isinstance(file_algo, dict):
         raise ConfigError(f"algorithm: expected a mapping, got {file_algo!r}")
@@ -129,6 +129,8 @@ def resolve(raw: dict | None = None, overrides: list[str] | tuple[str, ...] = ()
             cli_algo[path[1]] = value
         if path[0] == "algorithm" and path[1:] != ["name"]:
             method_overrides.append((".".join(path[1:]), value))
+    if tree.get("plugins"):  # before anything reads a rule or a rewarder's name that a plugin adds
+        tree["plugins"] = load_plugins(tree["plugins"])
     algo = tree.get("algorithm") or {}
     if not isinstance(algo, dict):
         raise ConfigError(f"algorithm: expected a mapping, got {algo!r}")
@@ -265,3 +267,42 @@ def field_descriptions(model: type[BaseModel] = Config, prefix: str = "") -> lis
             if isinstance(sub, type) and issubclass(sub, BaseModel):
                 out += field_descriptions(sub, f"{prefix}{name}.")
     return out
+
+
+_imported: dict[str, object] = {}  # plugins imported in this process, by absolute path or module name
+
+
+def load_plugins(plugins: Any) -> list[str]:
+    """Import the config's plugins once per process (a rank, the launcher, gapo-compare reading a run) and return
+    them as saved: a file by its absolute path, so that a resumed run or a report finds it from any folder."""
+    import importlib
+    import importlib.util
+    import sys
+
+    if not isinstance(plugins, list) or not all(isinstance(p, str) and p for p in plugins):
+        raise ConfigError(f"plugins: expected a list of .py files or module names, got {plugins!r}")
+    saved = []
+    for name in plugins:
+        key = str(Path(name).resolve()) if name.endswith(".py") else name
+        saved.append(key)
+        if key in _imported:
+            continue
+        if name.endswith(".py"):
+            if not Path(key).is_file():
+                raise ConfigError(f"plugins: {name}: no such file (a path is read from where the command runs: "
+                                  f"{Path.cwd()})")
+            spec = importlib.util.spec_from_file_location(f"gapo_plugin_{len(_imported)}", key)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module
+            try:
+                spec.loader.exec_module(module)
+            except (ValueError, ConfigError) as err:  # a register() that refused: the plugin, and why
+                raise ConfigError(f"plugins: {name}: {err}") from err
+        else:
+            try:
+                module = importlib.import_module(name)
+            except ModuleNotFoundError as err:
+                raise ConfigError(f"plugins: {name}: not importable ({err}); give a .py file or a module on the "
+                                  "Python path") from None
+        _imported[key] = module
+    return saved

@@ -137,9 +137,8 @@ def _data_sample(cfg: Config, run_dir: Path, p: Plan) -> dict:
     """Check the real loader, and every record it can reach (the whole set when its sources are local, the
     streamed sample from the hub) the way the run checks them; the data section the rehearsal trains on."""
     from gapo.data import load_training_set
-    from gapo.reward.registry import check_problems, dropped_summary, load_modules
+    from gapo.reward.registry import check_problems, dropped_summary
 
-    load_modules(cfg.reward.modules)
     d, scaled = cfg.data, p.scaled
     shown = d.train if isinstance(d.train, str) else " + ".join(x.subset or x.source for x in d.train)
     try:

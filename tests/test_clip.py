@@ -71,3 +71,56 @@ def test_a_rule_takes_only_its_own_upper_field_and_unknown_rules_are_refused(hal
         AlgorithmConfig(is_level="sequence", clip="nope", eps_lo=3e-3, eps_hi=5e-3)
     with pytest.raises(ValueError, match="clip rule 'halves' exists already"):
         clip.register(Halves(tag=" other"))
+
+
+TOY = '''from dataclasses import dataclass
+
+from gapo import clip
+
+
+@dataclass(frozen=True)
+class Halves(clip.ClipRule):
+    name: str = "halves"
+    upper_field: str = "eps_hi_max"
+    constant: bool = False
+    tag: str = " halves"
+
+    def eps_hi(self, c, k, algo):
+        return algo.eps_lo + (algo.eps_hi_max - algo.eps_lo) * (c <= k / 2)
+
+
+clip.register(Halves())
+'''
+
+
+@pytest.mark.e2e
+def test_a_toy_rule_from_a_plugin_trains_two_steps_and_counts_in_gapo_compare_band(tmp_path):
+    """The rule lives in a file outside the package, named by `plugins`: gapo-train (launcher and rank) trains with
+    it, its rollouts log its bounds, and gapo-compare band, run from another folder, finds it through the run's
+    saved config."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "halves.py").write_text(TOY)
+    bin_dir = Path(sys.executable).parent
+    env = {**os.environ, "WANDB_SILENT": "true", "OMP_WAIT_POLICY": "PASSIVE"}
+    run = tmp_path / "run"
+    r = subprocess.run([str(bin_dir / "gapo-train"), "--config", "tiny_cpu", "plugins=[halves.py]",
+                        "algorithm.clip=halves", "algorithm.eps_hi_max=5e-2", "trainer.total_steps=2",
+                        "trainer.log_rollouts=true", "trainer.ppo_mini_batch_size=8", f"trainer.output_dir={run}"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "halves clip 1 - 3e-3 .. 1 + 0.05" in r.stderr  # the run header, in the base class's words
+    records = [json.loads(x) for x in (run / "rollouts.jsonl").read_text().splitlines()]
+    bounds = {(x["c"], round(x["eps_hi"], 6)) for x in records if 0 < x["c"] < x["k"]}
+    assert bounds and all(b == (5e-2 if c <= 4 else 3e-3) for c, b in bounds), bounds
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    r = subprocess.run([str(bin_dir / "gapo-compare"), "band", "--rules", "halves:0.003/0.05", "gspo:0.003",
+                        str(run)], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "halves:0.003/0.05: 1 - 3e-3 .. 1 + eps_hi(c): 0.05 at c = 1 .. 3e-3 at c = 7" in r.stdout, r.stdout
+    assert "| all correct (upper bound) |" in r.stdout

@@ -45,17 +45,24 @@ def test_the_guide_runs_as_written(tmp_path):
     assert all(re.fullmatch(r"said -?\d+, expected \d+", r["detail"]) for r in said)
 
 
-def test_a_rewarder_module_that_is_missing_or_takes_a_used_name_is_refused(tmp_path, monkeypatch):
+def test_a_plugin_that_is_missing_or_takes_a_used_name_is_refused_and_a_file_is_saved_absolute(tmp_path,
+                                                                                                monkeypatch):
     from gapo.config import ConfigError
+    from gapo.configfile import load_plugins, resolve
     from gapo.reward import registry
 
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ConfigError, match=r"reward.modules: nope.py: no such file"):
-        registry.load_modules(["nope.py"])
-    with pytest.raises(ConfigError, match=r"reward.modules: no_such_module_here: not importable"):
-        registry.load_modules(["no_such_module_here"])
+    with pytest.raises(ConfigError, match=r"plugins: nope.py: no such file"):
+        load_plugins(["nope.py"])
+    with pytest.raises(ConfigError, match=r"plugins: no_such_module_here: not importable"):
+        load_plugins(["no_such_module_here"])
+    with pytest.raises(ConfigError, match=r"plugins: expected a list"):
+        resolve({"plugins": "x.py"})
     (tmp_path / "clash.py").write_text("from gapo.reward.registry import RewardKind, register\n"
                                        "register('math', RewardKind(score=lambda g, p, c: []))\n")
-    with pytest.raises(ConfigError, match=r"register\('math', ...\): the rewarder table has a row of that kind"):
-        registry.load_modules(["clash.py"])
+    with pytest.raises(ConfigError, match=r"plugins: clash.py: register\('math', ...\): the rewarder table has a row"):
+        load_plugins(["clash.py"])
     assert registry.REWARDERS["math"].score.__module__ == "gapo.reward.math"
+    (tmp_path / "fine.py").write_text("import sys\nsys.modules[__name__].loaded = getattr(sys, 'gapo_t', 0)\n")
+    cfg = resolve({"plugins": ["fine.py"]})
+    assert cfg.plugins == [str(tmp_path / "fine.py")]

@@ -10,8 +10,8 @@ whole when it is malformed, a load step). Adding a rewarder is one module and on
        `check_record(problem) -> (reason, detail) | None` (reason one of REASONS);
     2. a row `"<kind>": RewardKind(score=<kind>.score_records, check=<kind>.check_record)` in REWARDERS below.
 
-From outside the package, a file named in `reward.modules` calls `register("<kind>", RewardKind(...))` when it is
-imported (docs/own-data.md).
+From outside the package, a file named in the config's `plugins` calls `register("<kind>", RewardKind(...))` when it
+is imported (docs/own-data.md).
 
 `data.type=<kind>` then trains with it, and a benchmark of that kind (gapo.evaluation.BENCHMARKS) is evaluated
 with it; config.py cannot import this table (it sits below it), so an unknown kind is refused here, by `rewarder`,
@@ -88,44 +88,13 @@ REWARDERS: dict[str, RewardKind] = {
 
 
 def register(kind: str, row: RewardKind) -> None:
-    """Add a row from outside the package: a file named in reward.modules calls this when imported."""
+    """Add a row from outside the package: a file named in the config's plugins calls this when imported."""
     if not kind or not isinstance(row, RewardKind):
         raise ConfigError(f"register({kind!r}, ...): expected a kind name and a RewardKind row")
     if REWARDERS.get(kind, row) is not row:
         raise ConfigError(f"register({kind!r}, ...): the rewarder table has a row of that kind already "
                           f"({', '.join(REWARDERS)}); choose another name")
     REWARDERS[kind] = row
-
-
-_imported: dict[str, object] = {}  # reward.modules already imported in this process, by resolved path or name
-
-
-def load_modules(modules: list[str]) -> None:
-    """Import reward.modules once per process: a rank, gapo-eval and a rehearsal each read data.type after this."""
-    import importlib
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    for name in modules:
-        key = str(Path(name).resolve()) if name.endswith(".py") else name
-        if key in _imported:
-            continue
-        if name.endswith(".py"):
-            if not Path(key).is_file():
-                raise ConfigError(f"reward.modules: {name}: no such file (a path is read from where the command runs: "
-                                  f"{Path.cwd()})")
-            spec = importlib.util.spec_from_file_location(f"gapo_reward_module_{len(_imported)}", key)
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[spec.name] = module
-            spec.loader.exec_module(module)
-        else:
-            try:
-                module = importlib.import_module(name)
-            except ModuleNotFoundError as err:
-                raise ConfigError(f"reward.modules: {name}: not importable ({err}); give a .py file or a module "
-                                  "on the Python path") from None
-        _imported[key] = module
 
 
 def rewarder(kind: str) -> RewardKind:

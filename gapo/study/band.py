@@ -25,8 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gapo import rundir
-from gapo.config import AlgorithmConfig, fmt_eps
-from gapo.configfile import resolve
+from gapo.clip import RULES
+from gapo.config import PRESETS, AlgorithmConfig, fmt_eps
+from gapo.configfile import load_plugins, read_yaml, resolve
 from gapo.errors import ConfigError
 from gapo.study.figures import PlotError, algorithm_of, md_cell
 
@@ -51,7 +52,8 @@ class Rule:
 
 def rule(spec: str) -> Rule:
     """NAME:EPS_LO[/EPS_HI]: a preset with its widths (the upper one is eps_hi_max of an adaptive rule, eps_hi of
-    a fixed one; without it a fixed rule is symmetric). gapo:0.003/0.015, gspo:0.003/0.015, gspo:0.003."""
+    a fixed one; without it a fixed rule is symmetric). gapo:0.003/0.015, gspo:0.003/0.015, gspo:0.003. NAME may
+    also be a clip rule (gapo.clip.RULES, a plugin's included): sequence IS under that rule."""
     name, sep, widths = spec.partition(":")
     lo, _, hi = widths.partition("/")
     try:
@@ -62,6 +64,10 @@ def rule(spec: str) -> Rule:
     if not sep or eps_lo is None:
         raise ConfigError(f"rule {spec!r}: expected NAME:EPS_LO[/EPS_HI], e.g. gapo:0.003/0.015 or gspo:0.003")
     raw: dict = {"name": name.strip(), "eps_lo": eps_lo}
+    if raw["name"] not in PRESETS and raw["name"] in RULES:  # a clip rule: the sequence-IS preset of its shape
+        kind = RULES[raw["name"]]
+        raw = {"name": next(n for n, p in PRESETS.items() if p["is_level"] == "sequence" and
+                            RULES[p["clip"]].upper_field == kind.upper_field), "clip": kind.name, "eps_lo": eps_lo}
     try:
         probe = resolve({"algorithm": {"name": raw["name"]}}).algorithm
     except ConfigError as e:
@@ -251,11 +257,14 @@ def main(args) -> int:
     """`gapo-compare band RUN [RUN ...] --rules A B`: the band count of two rules on logged runs."""
     import sys
     try:
-        first, second = (rule(s) for s in args.rules)
         dirs = [Path(d) for d in args.runs]
         for d in dirs:
             if not d.is_dir():
                 raise PlotError(f"run directory {str(d)!r} does not exist")
+            saved = d / rundir.CONFIG
+            if saved.is_file():  # the runs' plugins first: a rule may be one of theirs
+                load_plugins((read_yaml(saved.read_text()) or {}).get("plugins") or [])
+        first, second = (rule(s) for s in args.rules)
         bands = count(dirs, first, second)
     except (ConfigError, PlotError) as e:
         print(f"gapo-compare: error: {e}", file=sys.stderr)

@@ -36,7 +36,7 @@ from gapo.evaluation import Bench, context_length, evaluate, load_benchmark, sum
 from gapo.faults import requested
 from gapo.memory import plan_text
 from gapo.models import check_context_budget, resolve_model
-from gapo.reward.registry import check_rewards, load_modules, score_groups, training_set
+from gapo.reward.registry import check_rewards, score_groups, training_set
 from gapo.rollout import split
 from gapo.rollout.engine import Engine, build_engine
 from gapo.rollout.transport import PeerGone, Transport, build_transport
@@ -148,7 +148,6 @@ def setup(cfg: Config, rank: int, world: int, remote: split.RemoteEngine | None)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    load_modules(cfg.reward.modules)  # a user's rewarders (docs/own-data.md), before data.type is read
     problems, prompt_ids, dropped = training_set(d, tokenizer)
     sampler = Sampler(len(problems), seed=t.seed)
     benches = [load_benchmark(spec, ev.limit, d) for spec in ev.benchmarks]
