@@ -1,8 +1,6 @@
 """A clip rule is one object (gapo/clip.py): a toy rule added from outside the package is named by algorithm.clip and
 reaches the config, the loss, gapo-compare band and the descriptions without a change anywhere else."""
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 from test_losses import _batch, _logp, _mb, _reference_loss
@@ -13,36 +11,21 @@ from gapo.study.band import Rule
 from gapo.trainer.losses import StepNorm, clip_high, policy_loss
 
 
-@dataclass(frozen=True)
-class Halves(clip.ClipRule):
-    """A toy: the widest upper width for the scarce half of the groups (c <= k/2), eps_lo for the rest."""
-
-    name: str = "halves"
-    upper_field: str = "eps_hi_max"
-    constant: bool = False
-    tag: str = " halves"
-
-    def eps_hi(self, c, k, algo):
-        return algo.eps_lo + (algo.eps_hi_max - algo.eps_lo) * (c <= k / 2)
-
-    def describe(self, lo, hi):
-        return f"halves: 1 + {hi} for c <= k/2, else 1 + {lo}"
-
-
 @pytest.fixture
-def halves(monkeypatch):
+def halves(monkeypatch, tmp_path):
     monkeypatch.setattr(clip, "RULES", dict(clip.RULES))  # the registration ends with the test
     import gapo.config
 
     monkeypatch.setattr(gapo.config, "RULES", clip.RULES)
-    clip.register(Halves())
+    (tmp_path / "halves.py").write_text(TOY)
+    exec(compile(TOY, str(tmp_path / "halves.py"), "exec"), {})  # as a plugin would register it
     return AlgorithmConfig(is_level="sequence", clip="halves", eps_lo=3e-3, eps_hi_max=5e-3, loss_agg="token_mean")
 
 
 def test_a_toy_rule_reaches_config_loss_band_and_descriptions(halves):
     algo = halves
     assert algo.upper == 5e-3 and algo.clip_range == ("3e-3", "5e-3 halves")
-    assert algo.describe() == "halves: 1 + 5e-3 for c <= k/2, else 1 + 3e-3"
+    assert algo.describe() == "halves clip 1 - 3e-3 .. 1 + 5e-3"
     c, k = torch.tensor([1, 3, 4, 5, 7]), torch.tensor([8] * 5)
     assert clip_high(c, k, algo).tolist() == pytest.approx([5e-3, 5e-3, 5e-3, 3e-3, 3e-3])
     band = Rule("toy", algo)
@@ -70,7 +53,7 @@ def test_a_rule_takes_only_its_own_upper_field_and_unknown_rules_are_refused(hal
                                          r"adaptive, cispo, halves"):
         AlgorithmConfig(is_level="sequence", clip="nope", eps_lo=3e-3, eps_hi=5e-3)
     with pytest.raises(ValueError, match="clip rule 'halves' exists already"):
-        clip.register(Halves(tag=" other"))
+        clip.register(type(clip.RULES["halves"])(tag=" other"))
 
 
 TOY = '''from dataclasses import dataclass
