@@ -24,14 +24,8 @@ import time
 
 import pytest
 
-from gapo.reward.math import (
-    MathGold,
-    MathVerifier,
-    _ResourceErrorSpy,
-    default_verifier,
-    extract_answer,
-    normalize_gold,
-)
+from gapo.reward.math import MathVerifier, _ResourceErrorSpy, default_verifier
+from gapo.reward.math_answer import MathGold, extract_answer, normalize_gold
 from gapo.reward.types import RewarderUnavailable, RewardResult, status_counts
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from gapo.config import RewardConfig
 from gapo.data import Problem
-from gapo.reward.math import with_last_number
+from gapo.reward.math_answer import with_last_number
 from gapo.reward.registry import score_groups
 
 
