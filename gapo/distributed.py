@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from gapo.errors import ConfigError
+
 
 def free_port() -> int:
     """A TCP port nothing listens on now, for a rendezvous on this machine."""
@@ -179,6 +181,25 @@ def gather(obj) -> list:
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def rank0_decides(work, rank: int):
+    """`work()` done once, by rank 0 (reading and checksumming a checkpoint), its result or its ConfigError shared
+    with every rank, so that all ranks go on, or stop, together. Without a process group, done here."""
+    import torch.distributed as dist
+
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return work()
+    result, error = None, None
+    if rank == 0:
+        try:
+            result = work()
+        except ConfigError as err:
+            error = str(err)
+    result, error = gather((result, error))[0]
+    if error:
+        raise ConfigError(error)
+    return result
 
 
 def agree(values: list, device, op: str = "max") -> list:

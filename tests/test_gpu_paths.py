@@ -17,7 +17,7 @@ from gapo.config import ConfigError
 from gapo.rollout import vllm_engine
 from gapo.rollout.hf_engine import HFEngine, engine_device
 from gapo.rollout.types import SamplingConfig
-from gapo.trainer import checkpoint
+from gapo.trainer import checkpoint, reshard
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLING = SamplingConfig(n=1, temperature=1.0, top_p=1.0, max_new_tokens=4)
@@ -389,7 +389,7 @@ def test_a_reshard_onto_one_rank_places_adams_moments_with_their_parameters(tmp_
     torch.save({"lr_scheduler": scheduler.state_dict(), "global_steps": 5, "global_samples": 40, "skipped_steps": 0},
                tmp_path / "mp_rank_00_model_states.pt")
     engine = types.SimpleNamespace(module=model, optimizer=optimizer)
-    checkpoint._universal_to_stage0(types.SimpleNamespace(deepspeed=engine, scheduler=scheduler), tmp_path)
+    reshard._universal_to_stage0(types.SimpleNamespace(deepspeed=engine, scheduler=scheduler), tmp_path)
     for p in model.parameters():
         state = optimizer.state[p]
         assert state["exp_avg"].device == state["exp_avg_sq"].device == p.device == torch.device("meta")
