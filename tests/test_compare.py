@@ -241,8 +241,7 @@ def test_bad_group_argument(tmp_path, capsys):
 def test_a_clip_fractions_interval_stays_within_zero_and_one():
     """Three seeds that disagree: the Student-t interval of the fractions themselves leaves [0, 1] (the
     laptop experiment's figure once drew a bar to 1.75); the logit-scale one cannot."""
-    from gapo.study.seeds import ProportionEstimate
-    from gapo.study.stats import ci_half_width
+    from gapo.study.stats import ProportionEstimate, ci_half_width
 
     fracs, counts = (0.0, 0.9, 0.05), ((0, 20), (18, 20), (1, 20))
     assert sum(fracs) / 3 + ci_half_width(fracs) > 1
@@ -260,7 +259,8 @@ def test_a_clip_fractions_interval_stays_within_zero_and_one():
     ((0.0, 0.1, 1.0), ((0, 40), (4, 40), (40, 40))),  # counts at both ends
 ])
 def test_every_fraction_cell_has_its_centre_inside_its_interval_inside_zero_one(values, counts):
-    from gapo.study.seeds import ProportionEstimate, estimate_cell
+    from gapo.study.seeds import estimate_cell
+    from gapo.study.stats import ProportionEstimate
 
     e = ProportionEstimate(values, counts=counts)
     lo, hi = e.interval()
@@ -272,8 +272,8 @@ def test_every_fraction_cell_has_its_centre_inside_its_interval_inside_zero_one(
 
 
 def test_welchs_degenerate_cases_are_said_in_words():
-    from gapo.study.seeds import ProportionEstimate, difference_cell
-    from gapo.study.stats import significance
+    from gapo.study.seeds import difference_cell
+    from gapo.study.stats import ProportionEstimate, significance
 
     assert significance([0.5, 0.5], [0.5, 0.5]) == "(no spread on either side: identical)"
     assert "every seed differs the same way; no test" in significance([1.0, 1.0, 1.0], [0.5, 0.5, 0.5])
@@ -303,7 +303,7 @@ def test_a_clip_fraction_per_c_is_pooled_over_seeds_with_a_seed_clustered_interv
     t(0.975, 4) * 0.04 / (0.04 * 0.96)."""
     from scipy import stats
 
-    from gapo.study.seeds import ProportionEstimate
+    from gapo.study.stats import ProportionEstimate
 
     counts = ((1, 5), (0, 5), (0, 5), (0, 5), (0, 5))
     e = ProportionEstimate(tuple(c / u for c, u in counts), counts=counts)
@@ -412,7 +412,7 @@ def test_a_pooled_clip_fractions_interval_covers_at_small_counts(rate, icc):
     +- 0.021, so 0.93 is the floor."""
     import numpy as np
 
-    from gapo.study.seeds import ProportionEstimate
+    from gapo.study.stats import ProportionEstimate
 
     rng = np.random.default_rng(0)
     units = np.array([2, 3, 5, 6, 7])
@@ -437,7 +437,7 @@ def _coverage(n_seeds: int, icc: float, reps: int, rate: float = 0.1, seed: int 
     """Simulated coverage of a pooled clip fraction's 95 % interval: per draw, n_seeds seeds with 11-19 decisions
     each (uniform), each seed's rate drawn from a beta with mean `rate` and intraclass correlation
     icc = 1 / (a + b + 1), its clips binomial given that rate; a hit when the interval holds `rate`."""
-    from gapo.study.seeds import ProportionEstimate
+    from gapo.study.stats import ProportionEstimate
 
     rng = np.random.default_rng(seed)
     hits = 0
@@ -467,7 +467,7 @@ def test_a_pooled_clip_fractions_interval_at_its_degenerate_counts():
     quantile), or Clopper-Pearson's where that is wider; it narrows as seeds that agree are added. Every seed
     clipping everything mirrors it. One seed: as wide as its beta-binomial profile, never narrower than
     Clopper-Pearson on its own counts."""
-    from gapo.study.seeds import ProportionEstimate
+    from gapo.study.stats import ProportionEstimate
 
     q, highs = stats.chi2.ppf(0.95, 1), []
     for n in (1, 2, 5, 10):

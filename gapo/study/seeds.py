@@ -23,12 +23,10 @@ import math
 import re
 import sys
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from matplotlib.figure import Figure
-from scipy import stats
 
 from gapo.errors import ConfigError
 from gapo.rundir import logged_cs, per_c
@@ -56,13 +54,13 @@ from gapo.study.figures import (
 from gapo.study.plot import TRAINING_PANELS
 from gapo.study.stats import (
     LEVEL,
-    beta_binomial_interval,
+    Estimate,
+    ProportionEstimate,
     ci_half_width,
-    clopper_pearson,
     cmh,
-    expit,
     holm,
     mh_odds_interval,
+    paired_differences,
     paired_t,
     sign_flip_p,
     significance,
@@ -77,138 +75,6 @@ WINDOW_METRICS = ("reward/mean", "entropy", "response/len_mean", "clip_frac", "i
 
 class CompareError(PlotError):
     """Inputs that cannot be compared; main() prints it and exits with status 2."""
-
-
-# ---------------------------------------------------------------------------------------------- statistics
-
-
-@dataclass(frozen=True)
-class Estimate:
-    """One label's values of one metric, one per seed: mean ± a Student-t interval (the paper's Table 6), for
-    quantities without bounds (entropy, lengths, correlations). `seeds` (trainer.seed of each value's run, same
-    order) is what pairs two labels' values: same-seed runs share prompt order, sampling and evaluation seeds."""
-
-    values: tuple[float, ...]
-    seeds: tuple[int, ...] = ()
-
-    @property
-    def n(self) -> int:
-        return len(self.values)
-
-    @property
-    def mean(self) -> float:
-        return float(np.mean(self.values))
-
-    @property
-    def centre(self) -> float:
-        """What a cell shows as the estimate: inside interval() whenever that is defined."""
-        return self.mean
-
-    @property
-    def half_width(self) -> float:
-        """t_{0.975, n-1} * s / sqrt(n), s the sample standard deviation: the paper's Table 6 interval.
-        NaN below two seeds, where the spread, and so the interval, is undefined."""
-        return ci_half_width(self.values)
-
-    def interval(self, level: float = LEVEL) -> tuple[float, float]:
-        h = ci_half_width(self.values, level)
-        return self.mean - h, self.mean + h
-
-    def by_seed(self) -> dict[int, float]:
-        return dict(zip(self.seeds, self.values, strict=True))
-
-
-@dataclass(frozen=True)
-class ProportionEstimate(Estimate):
-    """A fraction per seed (pass@k, a clip fraction), whose interval must stay in [0, 1].
-
-    Without counts (pass@k per seed): the centre is the back-transformed mean logit over seeds (so it lies inside
-    its interval: a Student-t interval on the logit scale, df = n - 1, mapped back); fractions are held within
-    [1e-3, 1 - 1e-3]; seeds that all agree give the value with a zero-width interval (no spread to estimate). Its
-    estimand is a typical seed's fraction on the logit scale; Δ between labels is of arithmetic means (`mean`).
-
-    With `counts` (events, units) per seed (clip decisions): the estimand is the pooled fraction, events over units
-    summed over seeds (a decision-weighted rate), and the interval is the hull of three, each covering where the
-    others fail. Clopper–Pearson on the pooled counts: exact if decisions were independent, never zero width. The
-    seed-clustered (sandwich) standard error, Student-t with df = n - 1 on the logit scale: the seeds as the
-    units, the t quantile paying for few of them; it carries large counts, where the seeds' spread is measured
-    well but few seeds make a chi-square calibration too narrow. The beta-binomial profile-likelihood interval
-    (each seed's rate from a beta with the mean and an intraclass correlation that is profiled out; chi-square,
-    1 df): sparse counts, where the sandwich's spread comes from the one or two seeds that clipped, and no seed
-    clipping at all, which cannot rule out seeds that clip all or nothing (its upper bound is then
-    1 - exp(-q / 2n), q the chi-square quantile: 0.32 at 5 seeds, 0.17 at 10). One seed cannot show how seeds
-    spread, so its interval is that profile's, wider than Clopper–Pearson on its counts.
-
-    Coverage of the nominal 95 %, measured with the simulation of tests/test_compare.py (2000 seeded draws per
-    setting; median width in brackets): a 10 % rate, 11-19 decisions per seed, each seed's rate from a beta with
-    the given intraclass correlation. 5 seeds: 0.991 (0.19) at ICC 0, 0.996 (0.42) at 0.3, 0.996 (0.45) at 0.5;
-    10 seeds: 0.980 (0.11), 0.942 (0.25), 0.947 (0.34). The hull of the first two alone: 0.990, 0.926, 0.799 and
-    0.980, 0.917, 0.867 at the same widths give or take 0.004, nearly all its misses samples where no seed, or
-    one or two, clipped. At 500-1500 decisions per seed, 3 or 5 seeds, ICC 0 to 0.02 (500 draws), the profile
-    alone covered 0.84-0.98 and the hull 0.94-0.99. At 2-7 decisions per seed and 5 seeds the first two alone
-    covered 0.98-0.99; the clustered one alone was measured at 0.58 at a 4 % rate.
-
-    Why not a bootstrap over seeds: with 5 seeds its percentile interval covered 0.84 at ICC 0 and 0.61 at 0.5 (a
-    resample of seeds that never clipped has no spread). Why not a Bayesian beta-binomial with a flat prior on the
-    intraclass correlation: it covered, but at 3 seeds of 100 000 tokens whose rates agree to ±0.4 % its interval
-    was 0.07-0.31, the prior's weight on large correlations outweighing what the seeds show."""
-
-    counts: tuple[tuple[float, float], ...] = ()
-
-    def _logits(self) -> np.ndarray:
-        p = np.clip(np.asarray(self.values, dtype=float), 1e-3, 1 - 1e-3)
-        return np.log(p / (1 - p))
-
-    def _pooled(self) -> tuple[float, float, float]:
-        """Events, units and the seed-clustered standard error of their ratio:
-        Var = n/(n-1) sum_i (e_i - p u_i)^2 / U^2 (NaN at one seed)."""
-        e, u = (np.array(x, dtype=float) for x in zip(*self.counts, strict=True))
-        p, n = e.sum() / u.sum(), len(u)
-        se = math.sqrt(n / (n - 1) * ((e - p * u) ** 2).sum()) / u.sum() if n > 1 else float("nan")
-        return float(e.sum()), float(u.sum()), se
-
-    @property
-    def constant(self) -> bool:
-        return self.n > 0 and bool(np.ptp(self.values) == 0)
-
-    @property
-    def centre(self) -> float:
-        if self.n == 0:
-            return float("nan")
-        if self.counts:
-            events, units, _ = self._pooled()
-            return events / units
-        if self.n == 1 or self.constant:
-            return float(self.values[0])
-        return float(1 / (1 + math.exp(-self._logits().mean())))
-
-    def interval(self, level: float = LEVEL) -> tuple[float, float]:
-        if self.counts and self.n:
-            events, units, se = self._pooled()
-            lo, hi = clopper_pearson(events, units, level)
-            p = events / units
-            if self.n > 1 and 0 < p < 1 and se > 0:  # the delta method: d logit(p) / dp = 1 / (p (1 - p))
-                t = stats.t.ppf((1 + level) / 2, self.n - 1)
-                mid, h = math.log(p / (1 - p)), t * se / (p * (1 - p))
-                lo, hi = min(lo, expit(mid - h)), max(hi, expit(mid + h))
-            blo, bhi = beta_binomial_interval(self.counts, level)
-            return min(lo, blo), max(hi, bhi)
-        if self.n < 2:
-            return float("nan"), float("nan")
-        if self.constant:
-            return self.centre, self.centre
-        t = stats.t.ppf((1 + level) / 2, self.n - 1)
-        z = self._logits()
-        mid, h = z.mean(), t * z.std(ddof=1) / math.sqrt(len(z))
-        return expit(mid - h), expit(mid + h)
-
-
-def paired_differences(a: Estimate, b: Estimate) -> tuple[list[int], np.ndarray]:
-    """The seeds both labels have (by trainer.seed, never by list position: a missing seed would shift every later
-    pair) and a - b at each."""
-    ab, bb = a.by_seed(), b.by_seed()
-    common = sorted(set(ab) & set(bb))
-    return common, np.array([ab[s] - bb[s] for s in common], dtype=float)
 
 
 def parse_group(arg: str) -> tuple[str, list[str]]:
