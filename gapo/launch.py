@@ -15,24 +15,17 @@ import logging
 import os
 import signal
 import sys
-from pathlib import Path
 
 from gapo.distributed import share_cores
 from gapo.errors import EXPLAINED, Exit
+from gapo.proc import processes
 from gapo.trainer.preempt import SIGNALS
 
 
 def _children() -> list[int]:
     """The processes whose parent is this one (torchrun's workers), from /proc."""
-    me, found = os.getpid(), []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # the process ended meanwhile
-            continue
-        if int(fields[1]) == me:
-            found.append(int(stat.parent.name))
-    return found
+    me = os.getpid()
+    return [pid for pid, fields in processes() if int(fields[1]) == me]
 
 
 _received: set[int] = set()  # the preemption signals this launcher has handed on

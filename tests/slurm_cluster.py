@@ -18,6 +18,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from gapo.proc import stat_fields
+
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "squeue", "scontrol", "sinfo", "scancel", "munge")
 GRACE_S = 60  # batch's GraceTime: SIGTERM, then SIGKILL this much later (the tiny runs save in about a second)
@@ -156,7 +158,5 @@ PartitionName=urgent Nodes=ALL State=UP PriorityTier=2 PreemptMode=OFF
 
 
 def _proc_state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:  # ended meanwhile
-        return "Z"
+    fields = stat_fields(pid)
+    return fields[0] if fields else "Z"  # ended meanwhile

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from gapo.proc import processes
 from gapo.reward.code import CodeRunner
 from gapo.reward.sandbox import (
     NOBODY_UID,
@@ -65,15 +66,8 @@ def _nobody_processes() -> list[int]:
 
 
 def _zombie_children() -> list[int]:
-    me, found = os.getpid(), []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        if fields[0] == "Z" and int(fields[1]) == me:
-            found.append(int(stat.parent.name))
-    return found
+    me = os.getpid()
+    return [pid for pid, fields in processes() if fields[0] == "Z" and int(fields[1]) == me]
 
 
 def assert_nothing_left_behind() -> None:
@@ -240,12 +234,8 @@ print(json.dumps(report))
 # --------------------------------------------------------------------------------------------------
 def _descendants(pid: int) -> list[int]:
     children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    for child, fields in processes():
+        children.setdefault(int(fields[1]), []).append(child)
     found, todo = [], [pid]
     while todo:
         kids = children.get(todo.pop(), [])

@@ -36,6 +36,7 @@ from gapo.evaluation import Bench, context_length, evaluate, load_benchmark, sum
 from gapo.faults import requested
 from gapo.memory import plan_text
 from gapo.models import check_context_budget, resolve_model
+from gapo.proc import stat_fields
 from gapo.reward.registry import check_rewards, score_groups, training_set
 from gapo.rollout import split
 from gapo.rollout.engine import Engine, build_engine
@@ -68,8 +69,7 @@ class TrainingDiverged(RuntimeError):
 def process_age() -> float:
     """Seconds since this process started (Linux: /proc), for the first step's time/startup_s: imports, model,
     data, vLLM's compile and the actor, the wait before a run does anything."""
-    with open("/proc/self/stat") as f:
-        ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime, in clock ticks after boot
+    ticks = int(stat_fields()[19])  # starttime, in clock ticks after boot
     with open("/proc/stat") as f:
         boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
     return time.time() - (boot + ticks / os.sysconf("SC_CLK_TCK"))
