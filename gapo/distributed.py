@@ -156,7 +156,7 @@ def leave_distributed() -> None:
     Left to interpreter exit, gloo's worker threads can be destroyed while still joinable, and the rank aborts
     with "terminate called without an active exception" (exit -6) after its work is done; NCCL likewise asks for an
     explicit destroy on a normal exit. A garbage collection comes first: a rank still aborted after its work in 5 of
-    48 runs of tests/dist_share_check.py without it, 0 of 48 with it (most likely what a DeepSpeed engine in a
+    48 runs of tests/dist/dist_share_check.py without it, 0 of 48 with it (most likely what a DeepSpeed engine in a
     reference cycle holds of the group, freed only at interpreter teardown). Called where a process ends, never
     inside train(): a caller that goes on in the same process (bench/gpu/check.py) would meet DeepSpeed's cached
     handles to the destroyed groups. Runs that fail take no part: a peer may be gone, and the barrier would wait

@@ -254,13 +254,13 @@ def fenced(program: str, tag: str = "python") -> str:
 
 
 def run_torchrun(script: str, out_dir: Path, *args: str, nproc: int, timeout: int = 300) -> list[dict]:
-    """tests/<script> under torchrun from the repository root, with an output path in `out_dir` before the given
+    """tests/dist/<script> under torchrun from the repository root, with an output path in `out_dir` before the given
     arguments; each rank's JSON result (the script writes <out>.<rank>). A failed run fails the test with the end of
     its stderr. No --master_port: on one node torchrun then rendezvouses on a port the OS gives it (localhost:0), so
 tests that run side by side (pytest -n) never meet."""
     out = out_dir / Path(script).stem
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                        f"tests/{script}", str(out), *args], cwd=REPO, env=ENV, capture_output=True, text=True,
+                        f"tests/dist/{script}", str(out), *args], cwd=REPO, env=ENV, capture_output=True, text=True,
                        timeout=timeout)
     # whether a failed rank had written its result tells a fault in the work from one on the way out
     written = [rank for rank in range(nproc) if Path(f"{out}.{rank}").exists()]

@@ -119,7 +119,7 @@ def test_a_lora_layer_computes_with_its_merged_weight_in_bf16_only():
 @pytest.mark.dist
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_a_bf16_lora_gradient_through_zero3_is_the_plain_torch_one(torchrun, nproc):
-    """Weights partitioned (tests/dist_lora_check.py), prompts shared (each layer runs twice per forward): the
+    """Weights partitioned (tests/dist/dist_lora_check.py), prompts shared (each layer runs twice per forward): the
     adapters' gradient norm equals a plain torch backward of the same merged forward, and PEFT's fp32 one up to bf16."""
     for res in torchrun("dist_lora_check.py", "3", nproc=nproc):
         assert res["lora_layers_merged"] == 14 and (nproc == 1 or res["partitioned"] == [True, True]), res
@@ -210,7 +210,7 @@ def test_a_bf16_lora_run_at_a_small_lr_keeps_the_engine_on_the_trainers_policy(t
 #   on a LoRA run is that the merged push goes through the same receipt and probe; every rank runs them (rank 0 as a
 #   1-rank run would). That a 1-rank run stops on them is test_sync's [1] cases (full weights: the same checks), and
 #   that a 1-rank LoRA run's pushes are verified at all is test_a_lora_run_trains_through_with_every_push_verified[1].
-# - "skip" (tests/dist_sync_check.py replaces sync.push whole) never reaches the LoRA merge: on a LoRA run it would
+# - "skip" (tests/dist/dist_sync_check.py replaces sync.push whole) never reaches the LoRA merge: on a LoRA run it would
 #   test only the weight-version check, the very code of test_sync's skip cases on 1 and 2 ranks.
 @pytest.mark.dist
 @pytest.mark.parametrize("nproc", [2])
@@ -221,7 +221,7 @@ def test_a_bf16_lora_run_at_a_small_lr_keeps_the_engine_on_the_trainers_policy(t
     ("stale", "1e-2", "after the push of step 2 the sampler does not compute with the trainer's weights"),
 ])
 def test_a_broken_adapter_push_stops_the_run(torchrun, tmp_path, fault, lr, needle, nproc):
-    """tests/dist_sync_check.py's faults on a LoRA run: the push of merged weights is checked like a full one."""
+    """tests/dist/dist_sync_check.py's faults on a LoRA run: the push of merged weights is checked like a full one."""
     results = torchrun("dist_sync_check.py", fault, str(tmp_path / "run"), "trainer.total_steps=3",
                        f"trainer.lr={lr}", "model.lora.rank=8", nproc=nproc)
     for rank, res in enumerate(results):

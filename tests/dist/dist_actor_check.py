@@ -4,11 +4,11 @@ For a given dtype and ZeRO stage it reports (one JSON per rank): the built engin
 and communication dtypes, and whether an optimizer step with a NaN loss was skipped without touching the
 weights or the optimizer state (good, NaN, good must end where good, good ends)."""
 
-import json
 import sys
 
 import torch
 import torch.distributed as dist
+from result import write_result
 
 from gapo.configfile import resolve
 from gapo.distributed import init_distributed, leave_distributed
@@ -75,8 +75,7 @@ def main(out_path: str, dtype: str, stage: int, offload: str = "none") -> None:
         result["offloaded"] = [bool(ds.zero_offload_optimizer()), bool(ds.zero_offload_param())]
     result["same_end"] = all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0])
     dist.barrier()
-    with open(f"{out_path}.{rank}", "w") as f:
-        json.dump(result, f)
+    write_result(out_path, rank, result)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,12 @@
 """Run under torchrun by test_gpu_paths.py: the process group's timeout reaches every collective, and a run
 directory that the ranks do not share is refused on every rank. Writes one JSON per rank."""
 
-import json
 import sys
 import time
 from pathlib import Path
 
 import torch.distributed as dist
+from result import write_result
 
 from gapo.config import ConfigError
 from gapo.distributed import init_distributed
@@ -33,8 +33,7 @@ def main(out_path: str, tmp: str) -> None:
     except RuntimeError as err:
         result["late_barrier"] = f"{type(err).__name__}: {str(err)[:200]}"
     result["waited_s"] = time.monotonic() - tic
-    with open(f"{out_path}.{rank}", "w") as f:
-        json.dump(result, f)
+    write_result(out_path, rank, result)
 
 
 if __name__ == "__main__":

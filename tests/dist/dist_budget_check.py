@@ -3,11 +3,11 @@ packed by count or by token budget, and equals one plain torch backward over all
 long rollouts, so by budget the ranks need different micro-batch counts and must agree on one. Writes one
 JSON result per rank."""
 
-import json
 import sys
 
 import torch
 import torch.distributed as dist
+from result import write_result
 
 from gapo.configfile import resolve
 from gapo.distributed import init_distributed, leave_distributed
@@ -58,8 +58,7 @@ def main(out_path: str, stage: int) -> None:
      / tokens).backward()
     out["torch"] = float(torch.sqrt(sum((p.grad ** 2).sum() for p in ref.parameters())))
     dist.barrier()
-    with open(f"{out_path}.{rank}", "w") as f:
-        json.dump(out, f)
+    write_result(out_path, rank, out)
 
 
 if __name__ == "__main__":

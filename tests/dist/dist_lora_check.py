@@ -4,11 +4,11 @@ gradient through the ZeRO-3 actor (weights partitioned, prompts shared so that e
 micro-batches over ranks) the one a plain torch backward gives? Writes one JSON result per rank. Device-agnostic:
 bench/gpu/check.py runs it on a GPU (the references then run on the same device, the same kernels)."""
 
-import json
 import sys
 
 import torch
 import torch.distributed as dist
+from result import write_result
 
 from gapo.configfile import resolve
 from gapo.distributed import init_distributed, leave_distributed
@@ -85,11 +85,10 @@ def main(out_path: str, stage: int) -> None:
         return float(torch.sqrt(sum((params[n].grad.float() ** 2).sum() for n in start)))
 
     dist.barrier()
-    with open(f"{out_path}.{rank}", "w") as f:
-        json.dump({"ds": ds_norm, "merged_bf16": reference_norm(torch.bfloat16),
+    write_result(out_path, rank, {"ds": ds_norm, "merged_bf16": reference_norm(torch.bfloat16),
                    "peft_fp32": reference_norm(torch.float32), "partitioned": partitioned,
                    "lora_layers_merged": sum(1 for m in actor.module.modules() if hasattr(m, "lora_A")
-                                             and "_merged_forward" in repr(m.forward))}, f)
+                                             and "_merged_forward" in repr(m.forward))})
 
 
 if __name__ == "__main__":

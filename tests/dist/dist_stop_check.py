@@ -4,9 +4,9 @@ the stop tokens that gapo derives from the chat template, and how many frames to
 the same engine (one build), rollouts sampled at top_p 1.0 and 0.9 with their engine log-probs (issue 52: vLLM's
 processed log-probs are renormalised over the nucleus)."""
 
-import json
 import sys
 
+from result import write_result
 from torch._dynamo.utils import counters
 from transformers import AutoTokenizer
 
@@ -33,8 +33,7 @@ def main(out_path: str, model_dir: str) -> None:
         groups = engine.generate(prompts, SamplingConfig(n=4, temperature=1.0, top_p=top_p, max_new_tokens=24,
                                                          stop_token_ids=stop_token_ids(tok)), seeds=[5, 6, 7, 8])
         out[f"top_p {top_p}"] = [[x.prompt_ids, x.response_ids, x.logprobs] for g in groups for x in g]
-    with open(f"{out_path}.0", "w") as f:
-        json.dump(out, f)
+    write_result(out_path, 0, out)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,11 @@
 """Run under torchrun by test_actor.py: how many times ZeRO-3 all-gathers the vocabulary head's weight in one
 training forward + backward whose response tokens span many logit chunks. Writes one JSON result per rank."""
 
-import json
 import sys
 
 import torch
 from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+from result import write_result
 
 import gapo.trainer.logprobs as logprobs_module
 from gapo.configfile import resolve
@@ -38,9 +38,8 @@ def main(out_path: str) -> None:
     lp, _ = actor.deepspeed(mb, 1.0)
     forward = gathers["head"]
     actor.backward(-(lp * mb.resp_mask).sum() / 48.0)
-    with open(f"{out_path}.{rank}", "w") as f:
-        json.dump({"forward": forward, "total": gathers["head"], "chunks": 24 // CHUNK,
-                   "grad_norm": actor.grad_norm()}, f)
+    write_result(out_path, rank, {"forward": forward, "total": gathers["head"], "chunks": 24 // CHUNK,
+                   "grad_norm": actor.grad_norm()})
 
 
 if __name__ == "__main__":

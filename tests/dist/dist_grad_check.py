@@ -1,11 +1,11 @@
 """Run under torchrun by test_engine.py: does the DeepSpeed actor accumulate gradients over micro-batches
 and ranks exactly like one plain torch backward over all of them? Writes one JSON result per rank."""
 
-import json
 import sys
 
 import torch
 import torch.distributed as dist
+from result import write_result
 
 from gapo.configfile import resolve
 from gapo.distributed import init_distributed, leave_distributed
@@ -51,8 +51,7 @@ def main(out_path: str, stage: int) -> None:
     last.backward()
     last_norm = float(torch.sqrt(sum((p.grad ** 2).sum() for p in ref.parameters())))
     dist.barrier()
-    with open(f"{out_path}.{rank}", "w") as f:
-        json.dump({"ds": ds_norm, "torch": ref_norm, "last_micro_only": last_norm}, f)
+    write_result(out_path, rank, {"ds": ds_norm, "torch": ref_norm, "last_micro_only": last_norm})
 
 
 if __name__ == "__main__":

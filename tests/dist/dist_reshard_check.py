@@ -9,13 +9,13 @@ the learning rate, the schedule's position and DeepSpeed's step counter, gathere
 The extra step trains on the same global batch at either world size (every rank takes its slice of one list), so
 its result shows whether the moments and the step count were also used right, up to float summation order."""
 
-import json
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+from result import write_result
 from transformers import AutoTokenizer
 
 from gapo.configfile import resolve
@@ -82,8 +82,7 @@ def main(out: str, phase: str, root: str, dtype: str, saved: int | None = None) 
     dist.barrier()
     if rank == 0:
         torch.save(dump, root / f"{phase}.pt")
-    with open(f"{out}.{rank}", "w") as f:
-        json.dump({"stage": actor.zero_stage}, f)
+    write_result(out, rank, {"stage": actor.zero_stage})
 
 
 if __name__ == "__main__":

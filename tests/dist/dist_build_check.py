@@ -2,11 +2,11 @@
 does not ask for it) comes out whole. transformers 5 writes save_pretrained only on torch.distributed's rank 0,
 so a build inside rank 1 wrote the tokenizer alone. Writes one JSON per rank."""
 
-import json
 import os
 import sys
 
 import torch.distributed as dist
+from result import write_result
 
 from gapo.distributed import init_distributed, leave_distributed
 from gapo.models import resolve_model
@@ -17,8 +17,7 @@ def main(out_path: str, cache: str) -> None:
     rank = init_distributed().rank
     files = sorted(p.name for p in resolve_model("tiny-llama").iterdir()) if rank == 1 else []
     dist.barrier()
-    with open(f"{out_path}.{rank}", "w") as f:
-        json.dump({"files": files}, f)
+    write_result(out_path, rank, {"files": files})
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 """Run under torchrun by test_engine.py: after an update and a weight push, does every rank's vLLM engine
 score fixed sequences exactly like the ZeRO-3 trainer? Writes one JSON result per rank to argv[1]."""
 
-import json
 import sys
 
 import torch
+from result import write_result
 
 import gapo.trainer.logprobs as logprobs_mod
 from gapo.configfile import resolve
@@ -66,8 +66,7 @@ def main(out_path: str) -> None:
         diffs["after"] = max(diffs["after"], float((t - torch.tensor(after[i])).abs().max()))
         diffs["before"] = max(diffs["before"], float((t - torch.tensor(before[i])).abs().max()))
         diffs["hf"] = max(diffs["hf"], float((t - hf_lp[i, :n]).abs().max()))
-    with open(f"{out_path}.{rank}", "w") as f:
-        json.dump({"rank": rank, "world": world, **diffs}, f)
+    write_result(out_path, rank, {"rank": rank, "world": world, **diffs})
 
 
 if __name__ == "__main__":

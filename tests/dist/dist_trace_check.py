@@ -6,11 +6,11 @@ chunk count fixed for the run it must settle. (A forward-only pass follows a pre
 trace, so it keeps a settled trace; only a step of one micro-batch per pass, alternating the two, never settles.)
 Writes one JSON per rank."""
 
-import json
 import sys
 
 import torch
 from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+from result import write_result
 
 import gapo.trainer.logprobs as logprobs_module
 from gapo.configfile import resolve
@@ -53,8 +53,7 @@ def main(out_path: str) -> None:
             actor.deepspeed.set_gradient_accumulation_boundary(i == len(mbs) - 1)
             lp, _ = actor.deepspeed(mb, 1.0)
             actor.backward(-(lp * mb.resp_mask).sum() / 24.0)
-    with open(f"{out_path}.{rank}", "w") as f:
-        json.dump({"invalidations": invalidations, "chunks": actor.deepspeed.module.n_chunks}, f)
+    write_result(out_path, rank, {"invalidations": invalidations, "chunks": actor.deepspeed.module.n_chunks})
 
 
 if __name__ == "__main__":

@@ -5,9 +5,10 @@ rank's exit code and the run's train.log, where the console's messages go too.
 Faults: drop (one tensor never leaves the trainer), stale (one tensor is pushed with its value from the first push,
 one step old at the second), skip (the push after step 2 never happens)."""
 
-import json
 import sys
 from pathlib import Path
+
+from result import write_result
 
 from gapo.cli import train_main
 from gapo.distributed import leave_distributed
@@ -48,8 +49,7 @@ def main(out_path: str, fault: str, run_dir: str, *overrides: str) -> None:
     inject(fault)
     code = train_main(["--config", "configs/tiny_cpu.yaml", f"trainer.output_dir={run_dir}", "tracking.mode=disabled",
                        *overrides])
-    with open(f"{out_path}.{dist.get_rank()}", "w") as f:
-        json.dump({"code": code, "log": (Path(run_dir) / "train.log").read_text()}, f)
+    write_result(out_path, dist.get_rank(), {"code": code, "log": (Path(run_dir) / "train.log").read_text()})
     if code == 0:
         leave_distributed()
 

@@ -3,10 +3,10 @@ one prompt (it could share its KV cache), rank 1's does not: under ZeRO-3 the ra
 calls, so neither shares, and a forward + backward + step completes on both. When both repeat a prompt, both
 share. Writes one JSON per rank."""
 
-import json
 import sys
 
 import torch
+from result import write_result
 
 from gapo.configfile import resolve
 from gapo.distributed import init_distributed, leave_distributed
@@ -40,8 +40,7 @@ def main(out_path: str) -> None:
         logp, _ = actor.deepspeed(mb, 1.0)
         actor.backward(-(logp * mb.resp_mask).sum() / 40.0)
         result[case] = {"shared": mb.shared is not None, "grad_norm": actor.grad_norm()}
-    with open(f"{out_path}.{rank}", "w") as f:
-        json.dump(result, f)
+    write_result(out_path, rank, result)
 
 
 if __name__ == "__main__":
