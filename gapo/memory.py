@@ -95,6 +95,8 @@ LOGPROB_ROWS = 64
 # tokens and the sampler's fp32 logits for up to 1,024 sequences: about 1-1.5 GiB for 1.5B-3B models with
 # 128-152k vocabularies) and its CUDA graphs. An allowance for models of that size.
 VLLM_RESERVE = 2 * GiB
+# An engine's reserve by rollout.engine: the hf engine (a reference sampler) profiles nothing and keeps no graphs.
+ENGINE_RESERVE = {"vllm": VLLM_RESERVE, "hf": 0}
 
 # CUDA context and cuBLAS workspaces (about 1 GiB for torch and vLLM in one process), NCCL communicators
 # (DeepSpeed's and vLLM's), ZeRO-3's gathered layers and prefetch, and allocator slack (the reduce bucket and the
@@ -364,7 +366,8 @@ def memory_plan(cfg: Config, facts: dict, world: int, device_gb: float = 80.0,
     _, _, _, _, _, _, vocab = _shape(facts)
     return MemoryPlan(
         params=params, dtype=m.dtype, zero_stage=stage, world=world, micro_batch_tokens=tokens,
-        sleep=r.sleep_between_steps, vllm_weights=0 if split else weights, vllm_reserve=0 if split else VLLM_RESERVE,
+        sleep=r.sleep_between_steps, vllm_weights=0 if split else weights,
+        vllm_reserve=0 if split else ENGINE_RESERVE[r.engine],
         kv_cache_given=kv_given, kv_cache_needed=0 if split else cfg.shape(world).rollouts * seq_len * per_token,
         kv_one_sequence=0 if split else max_model_len * per_token, context=max_model_len, split=split,
         # A KL penalty keeps a frozen reference copy of the weights, partitioned like the actor's.

@@ -274,8 +274,8 @@ def test_gradient_accumulates_over_micro_batches_and_ranks(torchrun, stage, npro
 
 @pytest.fixture(scope="module")
 def stop_check(once):
-    """One vLLM engine (tests/dist/dist_stop_check.py, 1 rank) on a model whose EOS is <|endoftext|> while its chat turns
-    end at <|im_end|>; its samples with and without the template's stop tokens, and at top_p 1.0 and 0.9."""
+    """One vLLM engine (tests/dist/dist_stop_check.py, 1 rank) on a model whose EOS is <|endoftext|> while its chat
+    turns end at <|im_end|>; its samples with and without the template's stop tokens, and at top_p 1.0 and 0.9."""
     import shutil
 
     from conftest import run_torchrun

@@ -343,3 +343,16 @@ def test_a_split_training_rank_is_planned_without_an_engine(capsys):
     assert train_main(["--config", "r1_distill_math", "--nproc", "2", "--plan", "80", "rollout.placement=split",
                        "rollout.generator_ranks=2"]) == 2
     assert "leaves no training rank" in capsys.readouterr().err
+
+
+def test_the_engine_reserve_comes_from_the_engine_kind():
+    """memory.ENGINE_RESERVE has a row for every rollout.engine; the hf engine plans no vLLM reserve."""
+    from typing import get_args
+
+    from gapo.config import EngineKind
+    from gapo.configfile import load_config
+    from gapo.memory import ENGINE_RESERVE, VLLM_RESERVE, memory_plan
+
+    assert set(ENGINE_RESERVE) == set(get_args(EngineKind))
+    assert memory_plan(load_config("qwen_math"), QWEN, world=8).vllm_reserve == VLLM_RESERVE
+    assert memory_plan(load_config("qwen_math", ["rollout.engine=hf"]), QWEN, world=8).vllm_reserve == 0
