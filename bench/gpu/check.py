@@ -23,8 +23,8 @@ on one whose GPU torch cannot see, the device row fails.
 3. offloaded optimizer (no vLLM needed): the one-GPU recipe's trainer path, ZeRO-2 with the optimizer on the host
    (pinned buffers, torch's fused CPU AdamW on the rank's share of the cores), two short steps at the same shape;
    peak GPU and host memory against the plan (GPU only).
-4. LoRA (no vLLM needed): tests/dist/dist_lora_check.py on this device: the adapters' gradient through the DeepSpeed actor
-   (bf16 layers computing with the merged weight they push) against the same merge in plain torch (1 %) and PEFT's
+4. LoRA (no vLLM needed): tests/dist/dist_lora_check.py on this device: the adapters' gradient through the DeepSpeed
+   actor (bf16 layers computing with the merged weight they push) against the same merge in plain torch (1 %) and PEFT's
    fp32 forward (6 %).
 5. NaN step: a non-finite loss is skipped: weights, optimizer state and learning rate untouched.
 6. vLLM (SKIP without a vLLM for this device): the engine's weights are zeroed (vLLM's reset_weights), then the
@@ -256,14 +256,14 @@ def offload_step(state: dict) -> None:
 
 
 def lora_step(state: dict) -> None:
-    """tests/dist/dist_lora_check.py on this device (1 rank, ZeRO-3): the adapters' gradient through the DeepSpeed actor,
-    whose bf16 LoRA layers compute with the merged weight they push, against the same merge in plain torch (same
+    """tests/dist/dist_lora_check.py on this device (1 rank, ZeRO-3): the adapters' gradient through the DeepSpeed
+    actor, whose bf16 LoRA layers compute with the merged weight they push, against the same merge in plain torch (same
     kernels) and against PEFT's own fp32 forward (LoRA's gradient, up to bf16), with test_lora.py's bounds."""
     out = state["out"] / "lora" / "result"
     out.parent.mkdir(parents=True, exist_ok=True)
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1",
-                        "tests/dist/dist_lora_check.py", str(out), "3"], cwd=ROOT, env=own_world_env(), capture_output=True,
-                       text=True, timeout=600)
+                        "tests/dist/dist_lora_check.py", str(out), "3"], cwd=ROOT, env=own_world_env(),
+                       capture_output=True, text=True, timeout=600)
     if r.returncode != 0:
         raise RuntimeError(f"tests/dist/dist_lora_check.py exited {r.returncode}: {r.stderr[-800:]}")
     res = json.loads(Path(f"{out}.0").read_text())
