@@ -9,6 +9,7 @@ import pytest
 from scipy import stats
 
 from gapo.study import endpoints as ep
+from gapo.study.stats import holm
 
 
 def write_run(path, records, metrics=()):
@@ -145,6 +146,17 @@ def test_the_report_reads_each_endpoint_off_the_runs(tmp_path):
     [model] = ep.clip_model({"GSPO": {s: dec["GSPO", s] for s in (0, 1, 2)},
                              "GAPO": {s: dec["GAPO", s] for s in (0, 1, 2)}}, reference="GSPO")
     assert f"| GAPO | GSPO | {model.estimate:+.3g} [" in text
+    # the plan's family: the control's E1, the first label's E2 and E3 slope against it, Holm over those three
+    e1_control = ep.across_seeds({s: ep.slope(dec["GSPO", s].adv, np.log(dec["GSPO", s].ratio)) for s in (0, 1, 2)})
+    family = holm([e1_control.p_t, e2.p_t, e3.p_t])
+    planned = "\n".join(ep.report(groups, {"GSPO": 0.003}, control="GSPO"))
+    rows = {line.split(" | ")[0] + " | " + line.split(" | ")[1]: line for line in planned.splitlines()
+            if line.startswith("| E")}
+    assert rows["| E1 log-ratio slope on (k-c)/k | GSPO"].endswith(f"| {family[0]:.3g} |")
+    assert rows["| E2 mean is_adv_corr, Δ | GAPO − GSPO"].endswith(f"| {family[1]:.3g} |")
+    assert rows["| E3 P(clip) slope on (k-c)/k under the run's rule, Δ | GAPO − GSPO"].endswith(f"| {family[2]:.3g} |")
+    assert rows["| E1 log-ratio slope on (k-c)/k | GAPO"].endswith("|  |")  # not in the family
+    assert rows["| E3 advantage-weighted clip share, Δ | GAPO − GSPO"].endswith("|  |")
     (groups["GSPO"][2] / "rollouts.jsonl").unlink()  # a run without its rollouts: E1 and E3 say so, E2 stays
     text = "\n".join(ep.report(groups, {"GSPO": 0.003}))
     assert "E1 and E3 need every run's rollouts.jsonl" in text and "| E2 mean is_adv_corr, Δ |" in text

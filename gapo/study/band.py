@@ -28,7 +28,7 @@ from gapo import rundir
 from gapo.clip import RULES
 from gapo.config import PRESETS, AlgorithmConfig, fmt_eps
 from gapo.configfile import load_plugins, read_yaml, resolve
-from gapo.errors import ConfigError
+from gapo.errors import ConfigError, Exit
 from gapo.study.figures import PlotError, algorithm_of, md_cell
 
 LEGACY_ON_POLICY = 1e-4  # |s - 1| below this counts as on-policy in logs without the off_policy flag
@@ -268,6 +268,6 @@ def main(args) -> int:
         bands = count(dirs, first, second)
     except (ConfigError, PlotError) as e:
         print(f"gapo-compare: error: {e}", file=sys.stderr)
-        return 2
+        return Exit.CONFIG
     print("\n".join([describe(first, bands.k), describe(second, bands.k), "", *table(bands, first, second)]))
     return 0

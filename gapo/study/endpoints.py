@@ -184,18 +184,21 @@ def _cell(a: AcrossSeeds) -> str:
             f"{a.p_t:.3g} | {a.p_flip:.3g}")
 
 
-def report(groups: dict[str, dict[int, Path]], fixed_eps_hi: dict[str, float]) -> list[str]:
+def report(groups: dict[str, dict[int, Path]], fixed_eps_hi: dict[str, float], control: str | None = None) -> list[str]:
     """The endpoints as the plan reads them, for `gapo-compare seeds`: `groups` maps a label to its runs by trainer.seed
     (the method first, then the rules it is compared with); `fixed_eps_hi` the upper bound of each fixed rule's label.
     E1 per label; E2 and E3 the first label against each other, paired by seed; Holm over the primary tests as the
-    plan names them is the plan's to apply (each p here is unadjusted, with Holm over this table's rows beside it)."""
+    plan names them is the plan's to apply (each p here is unadjusted, with Holm over this table's rows beside it).
+    `control`: the plan's control label; its E1 and the first label's E2 and E3 (the P(clip) slope) against it are
+    the primary family, Holm-adjusted over those three in a column of their own (the plan's test)."""
     labels = list(groups)
     lines = ["", "## Endpoints (experiments/demo_mechanism_plan.md; gapo/study/endpoints.py)", "",
              "Per run, then across seeds: mean [95 % t interval], the seeds with a value (trainer.seed), the "
              "one-sample or paired t p and the exact sign-flip p; Holm over the rows of this table in the last column "
              "(the plan's primary family is a subset of them: see the plan).", "",
-             "| endpoint | label(s) | mean [95 % CI] | seeds | p (t) | p (sign-flip) | p (Holm, this table) |",
-             "|---|---|---|---|---|---|---|"]
+             "| endpoint | label(s) | mean [95 % CI] | seeds | p (t) | p (sign-flip) | p (Holm, this table) | "
+             "p (Holm, the plan's primary family) |",
+             "|---|---|---|---|---|---|---|---|"]
     rows: list[tuple[str, str, AcrossSeeds]] = []
     try:
         dec = {label: {seed: decisions(path) for seed, path in runs.items()} for label, runs in groups.items()}
@@ -220,8 +223,12 @@ def report(groups: dict[str, dict[int, Path]], fixed_eps_hi: dict[str, float]) -
             rows.append(("E3 advantage-weighted clip share, Δ", f"{labels[0]} − {other}",
                          across_seeds(paired(share[labels[0]], share[other]))))
     adjusted = holm([r[2].p_t for r in rows])
-    for (name, label, a), p in zip(rows, adjusted, strict=True):
-        lines.append(f"| {name} | {label} | {_cell(a)} | {p:.3g} |")
+    primary = [i for i, (name, label, _) in enumerate(rows) if control is not None and (
+        (name.startswith("E1") and label == control) or
+        (name.startswith(("E2", "E3 P(clip)")) and label == f"{labels[0]} − {control}"))]
+    family = dict(zip(primary, holm([rows[i][2].p_t for i in primary]), strict=True)) if primary else {}
+    for i, ((name, label, a), p) in enumerate(zip(rows, adjusted, strict=True)):
+        lines.append(f"| {name} | {label} | {_cell(a)} | {p:.3g} | {f'{family[i]:.3g}' if i in family else ''} |")
     if dec is not None and len(labels) > 1:
         lines += ["", "E3's model: P(clip) of a correct decision ~ rule × advantage, logistic GEE over every seed's "
                   "decisions, seeds as clusters, bias-reduced sandwich; the term is the log odds ratio per unit of "

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 from scipy import stats as st
 
+from gapo.errors import Exit
 from gapo.study.band import read_rollouts
 from gapo.study.endpoints import decisions, decisions_of, mean_is_adv_corr, slope
 from gapo.study.stats import holm
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = {arm: sorted((a.root / arm).glob("seed*")) for arm in (a.treated, a.control)}
     if not all(runs.values()):
         print(f"power: {a.root}: no seed*/ runs under {[arm for arm, r in runs.items() if not r]}", file=sys.stderr)
-        return 2
+        return Exit.CONFIG
     rng = np.random.default_rng(a.seed)
     t, c = arm_steps(runs[a.treated]), arm_steps(runs[a.control])
     effects = pilot_effects(runs[a.treated], runs[a.control])

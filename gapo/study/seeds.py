@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 from matplotlib.figure import Figure
 
-from gapo.errors import ConfigError
+from gapo.errors import ConfigError, Exit
 from gapo.rundir import logged_cs, per_c
 from gapo.study import endpoints
 from gapo.study.figures import (
@@ -523,7 +523,7 @@ def build_figures(groups: dict[str, list[Run]], window: Window = ALL_STEPS,
 
 
 def write_report(out: Path, groups: dict[str, list[Run]], window: Window = ALL_STEPS, val_step: int | None = None,
-                 smooth: int = 1) -> Path:
+                 smooth: int = 1, control: str | None = None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     notes: list[str] = []
     benches, val_est = validation_estimates(groups, val_step, notes)
@@ -563,7 +563,8 @@ def write_report(out: Path, groups: dict[str, list[Run]], window: Window = ALL_S
     algos = {label: algorithm_of(runs[0].config) for label, runs in groups.items() if runs}
     fixed = {label: float(a.eps_hi) for label, a in algos.items()
              if a is not None and a.rule.constant and not a.rule.weight_clip}
-    lines += endpoints.report({label: {run_seed(r): r.path for r in runs} for label, runs in groups.items()}, fixed)
+    lines += endpoints.report({label: {run_seed(r): r.path for r in runs} for label, runs in groups.items()}, fixed,
+                              control)
     lines += interaction_table(groups, window)
     lines += pooled_clip_table(groups, window)
     if notes:
@@ -591,6 +592,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        "window of the training metrics")
     p.add_argument("--val-step", type=int, metavar="N",
                    help="compare validation at step N instead of each run's last validation")
+    p.add_argument("--control", metavar="LABEL",
+                   help="the plan's control arm (experiments/demo_mechanism_plan.md: GSPO 0.003): its E1 and the first "
+                        "label's E2 and E3 against it form the primary family, Holm-adjusted in a column of their own")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -598,9 +602,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         smooth, window = figure_options(args)
         groups = load_groups(args.groups)
-        path = write_report(args.out, groups, window, args.val_step, smooth)
+        if args.control is not None and args.control not in groups:
+            raise CompareError(f"--control {args.control!r}: not one of the labels ({', '.join(groups)})")
+        path = write_report(args.out, groups, window, args.val_step, smooth, args.control)
     except PlotError as e:
         print(f"gapo-compare: error: {e}", file=sys.stderr)
-        return 2
+        return Exit.CONFIG
     print(f"gapo-compare: wrote {path} and its figures to {args.out}")
     return 0
