@@ -60,20 +60,20 @@ demo: install
 	$(BIN)/gapo-train --config configs/demo_cpu.yaml trainer.output_dir=runs/demo_cpu
 	$(BIN)/gapo-plot runs/demo_cpu --out runs/demo_cpu/plots
 
-# GAPO's mechanism on a laptop (docs/laptop-experiment.md): experiments/demo_mechanism.yaml, GAPO against asymmetric and symmetric GSPO
-# x five seeds on the demo's task, through the chain a cluster user runs: the runs, their evaluation, the table and
-# figures, and the seeds report (band counts: where the rules can differ; the c x rule interaction paired by seed;
-# per-c clip fractions with intervals; the pooled clip-count test). 15 CPU runs of about 7 minutes on 2 cores
-# (docs/laptop-experiment.md); not part of any test tier. A second `make demo-compare` skips what is done.
+# GAPO's premise on a laptop (docs/laptop-experiment.md): experiments/demo_mechanism.yaml as pre-registered in
+# experiments/demo_mechanism_plan.md, GAPO against symmetric (the control) and asymmetric GSPO x 16 seeds on generated
+# sums, through the chain a cluster user runs: the runs, their evaluation, the table and figures, and the seeds report
+# with the plan's endpoints (E1-E3, Holm over the primary family). 48 CPU runs of about 9 minutes on 2 cores; not part
+# of any test tier. A second `make demo-compare` skips what is done and resumes what was interrupted.
 DEMO_RUNS = runs/demo_mechanism
 demo-compare: install
 	$(BIN)/gapo-sweep demo_mechanism --run
 	$(BIN)/gapo-sweep demo_mechanism --eval
 	$(BIN)/gapo-compare table demo_mechanism
-	$(BIN)/gapo-compare seeds --out $(DEMO_RUNS)/compare/seeds \
+	$(BIN)/gapo-compare seeds --out $(DEMO_RUNS)/compare/seeds --control "GSPO 0.003" \
 	  "GAPO 0.003/0.015=$$(ls -d $(DEMO_RUNS)/gapo/seed*/ | paste -sd,)" \
-	  "GSPO 0.003/0.015=$$(ls -d $(DEMO_RUNS)/gspo_asym/seed*/ | paste -sd,)" \
-	  "GSPO 0.003=$$(ls -d $(DEMO_RUNS)/gspo_sym/seed*/ | paste -sd,)"
+	  "GSPO 0.003=$$(ls -d $(DEMO_RUNS)/gspo_sym/seed*/ | paste -sd,)" \
+	  "GSPO 0.003/0.015=$$(ls -d $(DEMO_RUNS)/gspo_asym/seed*/ | paste -sd,)"
 
 # TRL in an environment of its own (not a gapo dependency), for bench/e2e_vs_trl.py: the same torch and
 # transformers as .venv, so that both sides run the same model code.
