@@ -48,7 +48,11 @@ def read_yaml(text: str) -> Any:
 
 # A command-line token that is a config setting, key.path=value: what gapo-sweep and gapo-eval take from among their
 # flags and positional paths (gapo-train takes every positional word as one).
-OVERRIDE = re.compile(r"^[A-Za-z_]\w*(\.\w+)+=")
+# A key with a dot (section.field), or one of the config's top-level fields that is no section (plugins=[...]); a bare
+# name=value is not taken, so that a value such as gapo-eval's --benchmarks mine=problems.jsonl stays the flag's.
+_TOP_FIELDS = [n for n, f in Config.model_fields.items()
+               if not (isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel))]
+OVERRIDE = re.compile(rf"^([A-Za-z_]\w*(\.\w+)+|{'|'.join(_TOP_FIELDS)})=")
 
 
 def _parse_override(item: str) -> tuple[list[str], Any]:
@@ -115,7 +119,7 @@ def resolve(raw: dict | None = None, overrides: list[str] | tuple[str, ...] = ()
     if not isinstance(tree, dict):
         raise ConfigError(f"configuration must be a mapping of sections, got {type(tree).__name__}")
     _upgrade(tree)
-    tree = {k: {} if v is None and k != "plugins" else v for k, v in tree.items()}  # a section left empty
+    tree = {k: ([] if k == "plugins" else {}) if v is None else v for k, v in tree.items()}  # left empty
     file_algo = tree.get("algorithm") or {}
     if not isinstance(file_algo, dict):
         raise ConfigError(f"algorithm: expected a mapping, got {file_algo!r}")

@@ -12,7 +12,7 @@ def stat_fields(pid: int | str = "self") -> list[str] | None:
     """The stat fields of `pid` from its state on, or None when the process has ended."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError):
+    except OSError:  # ended meanwhile, or hidden from us (hidepid)
         return None
 
 

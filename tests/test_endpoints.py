@@ -157,6 +157,11 @@ def test_the_report_reads_each_endpoint_off_the_runs(tmp_path):
     assert rows["| E3 P(clip) slope on (k-c)/k under the run's rule, Δ | GAPO − GSPO"].endswith(f"| {family[2]:.3g} |")
     assert rows["| E1 log-ratio slope on (k-c)/k | GAPO"].endswith("|  |")  # not in the family
     assert rows["| E3 advantage-weighted clip share, Δ | GAPO − GSPO"].endswith("|  |")
+    clip_at = ep.across_seeds({s: ep.slope(dec["GSPO", s].adv, (dec["GSPO", s].ratio > 1.003).astype(float))
+                               for s in (0, 1, 2)})
+    assert rows["| E1 P(clip) at 1 + 0.003 slope (secondary) | GSPO"].startswith(
+        f"| E1 P(clip) at 1 + 0.003 slope (secondary) | GSPO | {clip_at.mean:+.4g} [")
+    assert "| E1 P(clip)" not in "\n".join(ep.report(groups, {"GSPO": 0.003}))  # only the control's, with --control
     (groups["GSPO"][2] / "rollouts.jsonl").unlink()  # a run without its rollouts: E1 and E3 say so, E2 stays
     text = "\n".join(ep.report(groups, {"GSPO": 0.003}))
     assert "E1 and E3 need every run's rollouts.jsonl" in text and "| E2 mean is_adv_corr, Δ |" in text

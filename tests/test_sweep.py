@@ -686,3 +686,5 @@ def test_key_path_overrides_reach_every_run_and_leave_slurms_dir_alone(capsys, t
     assert "trainer.lr=3e-4" in (tmp_path / "s" / "tiny_cpu.runs.sbatch").read_text()
     assert main(["tiny_cpu", "--print", "trainer.lrr=3e-4"]) == Exit.CONFIG
     assert "trainer.lrr" in capsys.readouterr().err
+    assert main(["tiny_cpu", "--print", "trainer.seed=7"]) == Exit.CONFIG  # the sweep's own per-job settings
+    assert "trainer.seed=7: gapo-sweep sets this per run and seed" in capsys.readouterr().err

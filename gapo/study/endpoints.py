@@ -187,8 +187,8 @@ def _cell(a: AcrossSeeds) -> str:
 def report(groups: dict[str, dict[int, Path]], fixed_eps_hi: dict[str, float], control: str | None = None) -> list[str]:
     """The endpoints as the plan reads them, for `gapo-compare seeds`: `groups` maps a label to its runs by trainer.seed
     (the method first, then the rules it is compared with); `fixed_eps_hi` the upper bound of each fixed rule's label.
-    E1 per label; E2 and E3 the first label against each other, paired by seed; Holm over the primary tests as the
-    plan names them is the plan's to apply (each p here is unadjusted, with Holm over this table's rows beside it).
+    E1 per label; E2 and E3 the first label against each other, paired by seed; each p unadjusted, with Holm over
+    this table's rows beside it.
     `control`: the plan's control label; its E1 and the first label's E2 and E3 (the P(clip) slope) against it are
     the primary family, Holm-adjusted over those three in a column of their own (the plan's test)."""
     labels = list(groups)
@@ -210,6 +210,10 @@ def report(groups: dict[str, dict[int, Path]], fixed_eps_hi: dict[str, float], c
             e1 = {s: premise(d, list(fixed_eps_hi.values())) for s, d in dec[label].items()}
             rows.append(("E1 log-ratio slope on (k-c)/k", label, across_seeds({s: v["log ratio"]
                                                                              for s, v in e1.items()})))
+            if control is not None and label == control:  # secondary: the same ratios judged under each fixed bound
+                for key in (k for k in next(iter(e1.values()), {}) if k != "log ratio"):
+                    rows.append((f"E1 {key} slope (secondary)", label,
+                                 across_seeds({s: v[key] for s, v in e1.items()})))
     corr = {label: {seed: mean_is_adv_corr(path) for seed, path in runs.items()} for label, runs in groups.items()}
     for other in labels[1:]:
         rows.append(("E2 mean is_adv_corr, Δ", f"{labels[0]} − {other}", across_seeds(paired(corr[labels[0]],
@@ -224,9 +228,13 @@ def report(groups: dict[str, dict[int, Path]], fixed_eps_hi: dict[str, float], c
                          across_seeds(paired(share[labels[0]], share[other]))))
     adjusted = holm([r[2].p_t for r in rows])
     primary = [i for i, (name, label, _) in enumerate(rows) if control is not None and (
-        (name.startswith("E1") and label == control) or
+        (name.startswith("E1 log-ratio") and label == control) or
         (name.startswith(("E2", "E3 P(clip)")) and label == f"{labels[0]} − {control}"))]
-    family = dict(zip(primary, holm([rows[i][2].p_t for i in primary]), strict=True)) if primary else {}
+    complete = len(primary) == 3 and all(math.isfinite(rows[i][2].p_t) for i in primary)
+    family = dict(zip(primary, holm([rows[i][2].p_t for i in primary]), strict=True)) if complete else {}
+    if control is not None and not complete:
+        lines.insert(4, "The plan's primary family is incomplete here (a primary row without runs or without a p): "
+                        "its column stays empty.")
     for i, ((name, label, a), p) in enumerate(zip(rows, adjusted, strict=True)):
         lines.append(f"| {name} | {label} | {_cell(a)} | {p:.3g} | {f'{family[i]:.3g}' if i in family else ''} |")
     if dec is not None and len(labels) > 1:

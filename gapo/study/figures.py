@@ -213,7 +213,8 @@ def algorithm_of(cfg: dict) -> AlgorithmConfig | None:
     if not run_algorithm(cfg):
         return None
     try:
-        return resolve({"algorithm": run_algorithm(cfg)}).algorithm
+        # the run's plugins first: its clip rule may be one of theirs
+        return resolve({"plugins": cfg.get("plugins") or [], "algorithm": run_algorithm(cfg)}).algorithm
     except ConfigError:
         return None
 

@@ -397,7 +397,7 @@ pre{white-space:pre-wrap;max-height:24em;overflow:auto;margin:0;font-size:12px}
 summary{cursor:pointer;color:#333}"""
 
 
-def rollouts_page(run: Run, steps: list[int] | None = None, per_c: int = 3) -> str | None:
+def rollouts_page(run: Run, steps: list[int] | None = None, shown_per_c: int = 3) -> str | None:
     """A self-contained HTML page: for a few steps, sampled rollouts per c with their text, reward, advantage,
     bound eps_hi and, per update, the IS ratio and clip decision. None when the run logged no rollouts.jsonl
     (`trainer.log_rollouts=true`)."""
@@ -424,7 +424,7 @@ def rollouts_page(run: Run, steps: list[int] | None = None, per_c: int = 3) -> s
              "the loss did. " + ("Under token IS the decision is per token: the counts say how many of the "
                                  "response's tokens were clipped. " if token_level else "") +
              "Rollouts of the step's first mini-batch have their first update at the sampling weights (ratio 1). "
-             f"Per c, up to {per_c} rollouts are sampled, half of them clipped ones where there are; "
+             f"Per c, up to {shown_per_c} rollouts are sampled, half of them clipped ones where there are; "
              "clipped rows are shaded.</p>"]
     if not chosen:
         parts.append("<p>No rollouts at the requested steps.</p>")
@@ -440,7 +440,7 @@ def rollouts_page(run: Run, steps: list[int] | None = None, per_c: int = 3) -> s
         for c in sorted(buckets):
             group = buckets[c]
             k = group[0].get("k", "?")
-            shown = sample_bucket(group, per_c, seed=st * 1000 + c)
+            shown = sample_bucket(group, shown_per_c, seed=st * 1000 + c)
             parts.append(f"<h3>c = {c} of k = {_esc(k)} · ε_hi = {float(group[0].get('eps_hi', float('nan'))):.6g} · "
                          f"{len(group)} rollouts, {sum(_clipped(r) for r in group)} clipped · showing "
                          f"{len(shown)}</h3>")
@@ -464,11 +464,11 @@ def rollouts_page(run: Run, steps: list[int] | None = None, per_c: int = 3) -> s
 
 
 def write_rollout_pages(runs: list[Run], out: Path, steps: list[int] | None = None,
-                        per_c: int = 3) -> dict[str, str]:
+                        shown_per_c: int = 3) -> dict[str, str]:
     """Label -> file name of the run's rollouts page, for the runs that logged rollouts."""
     pages: dict[str, str] = {}
     for r in runs:
-        page = rollouts_page(r, steps, per_c)
+        page = rollouts_page(r, steps, shown_per_c)
         if page is None:
             continue
         slug = re.sub(r"[^A-Za-z0-9._-]+", "_", r.label).strip("_") or "run"
@@ -520,7 +520,7 @@ def write_index(out: Path, runs: list[Run], figures: dict[str, Figure | None], s
 
 
 def render(runs: list[Run], out: Path, smooth: int = 1, window: Window = ALL_STEPS,
-           rollout_steps: list[int] | None = None, per_c: int = 3) -> dict[str, Figure | None]:
+           rollout_steps: list[int] | None = None, shown_per_c: int = 3) -> dict[str, Figure | None]:
     out.mkdir(parents=True, exist_ok=True)
     figures = build_figures(runs, smooth, window)
     for name, fig in figures.items():
@@ -528,7 +528,7 @@ def render(runs: list[Run], out: Path, smooth: int = 1, window: Window = ALL_STE
             (out / name).unlink(missing_ok=True)  # a stale image from an earlier call would contradict index.md
             continue
         fig.savefig(out / name, dpi=110)
-    pages = write_rollout_pages(runs, out, rollout_steps, per_c)
+    pages = write_rollout_pages(runs, out, rollout_steps, shown_per_c)
     write_index(out, runs, figures, smooth, pages, window)
     return figures
 

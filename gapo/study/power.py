@@ -6,12 +6,14 @@ Why steps are resampled: two seeds of the demo differ in their data order and th
 variation that make one step of a run differ from the next, and each endpoint is a sum over a run's steps. A
 synthetic run is the pilot runs' steps of one arm drawn with replacement, as many as a run has; its endpoints are
 computed as gapo/study/endpoints.py computes them on a real run. The spread of synthetic runs stands in for the
-spread of seeds, which a pilot of one or two seeds cannot measure (the report sets the two side by side where the
-pilot has two seeds). Resampling steps ignores that drift builds up over a run; the plan says so.
+spread of seeds, which a pilot of one seed per arm cannot measure. Resampling steps as if independent misses what
+differs between whole runs (a trajectory, drift building up over its steps), so the spread is likely optimistic: the
+plan says so, and the grid's own spread is reported beside it.
 
 Why the effect is shrunk: a pilot's effect is a noisy, often lucky estimate; the synthetic values are shifted so that
 the simulated effect is `shrink` x the pilot's (the plan: one half). The arms are drawn independently, so the pairing
-by seed, which can only lower the variance of a difference here, is not counted on.
+by seed, which lowers the variance of a difference where same-seed runs are positively correlated, is not counted
+on.
 
 Each replicate draws the three endpoints from the same synthetic runs (E1 and E3 share the control's), applies the
 plan's tests (E1 one-sample t, E2 and E3 paired t, two-sided) and Holm over the family, and counts each endpoint
@@ -33,6 +35,7 @@ from scipy import stats as st
 from gapo.errors import Exit
 from gapo.study.band import read_rollouts
 from gapo.study.endpoints import decisions, decisions_of, mean_is_adv_corr, slope
+from gapo.study.figures import PlotError
 from gapo.study.stats import holm
 
 PREDICTED_SIGN = {"E1": +1, "E2": +1, "E3": -1}  # the plan's predicted directions
@@ -93,9 +96,11 @@ def pilot_effects(treated: list[Path], control: list[Path]) -> dict[str, float]:
 
 
 def simulate(treated: Steps, control: Steps, effects: dict[str, float], seeds: int, *, shrink: float = 0.5,
-             sims: int = 2000, alpha: float = 0.05, rng: np.random.Generator) -> dict[str, float]:
-    """Power of each endpoint (and of all three together) with `seeds` runs per arm, after Holm over the three."""
-    L = control.steps_per_run
+             sims: int = 2000, alpha: float = 0.05, rng: np.random.Generator, steps: int | None = None
+             ) -> dict[str, float]:
+    """Power of each endpoint (and of all three together) with `seeds` runs per arm of `steps` steps (default: the
+    control's pilot runs'), after Holm over the three."""
+    L = steps or control.steps_per_run
     tv = run_values(treated, rng.integers(len(treated.sums), size=(sims, seeds, L)))
     cv = run_values(control, rng.integers(len(control.sums), size=(sims, seeds, L)))
     raw = {"E1": cv["ratio"], "E2": tv["corr"] - cv["corr"], "E3": tv["clip"] - cv["clip"]}
@@ -126,9 +131,10 @@ def smallest_effect(sd: float, seeds: int, family: int = 3, alpha: float = 0.05,
     return brentq(gap, 1e-12 * sd, 50 * sd)
 
 
-def spread(arm: Steps, key: str, rng: np.random.Generator, sims: int = 2000) -> float:
-    """The per-run SD of one quantity over synthetic runs of `arm`."""
-    return float(np.nanstd(run_values(arm, rng.integers(len(arm.sums), size=(sims, arm.steps_per_run)))[key], ddof=1))
+def spread(arm: Steps, key: str, rng: np.random.Generator, sims: int = 2000, steps: int | None = None) -> float:
+    """The per-run SD of one quantity over synthetic runs of `arm` of `steps` steps (default: its pilot runs')."""
+    draws = rng.integers(len(arm.sums), size=(sims, steps or arm.steps_per_run))
+    return float(np.nanstd(run_values(arm, draws)[key], ddof=1))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,24 +146,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shrink", type=float, default=0.5)
     ap.add_argument("--sims", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=16, help="steps of a planned run (the synthetic runs' length)")
     a = ap.parse_args(argv)
     runs = {arm: sorted((a.root / arm).glob("seed*")) for arm in (a.treated, a.control)}
     if not all(runs.values()):
         print(f"power: {a.root}: no seed*/ runs under {[arm for arm, r in runs.items() if not r]}", file=sys.stderr)
         return Exit.CONFIG
     rng = np.random.default_rng(a.seed)
-    t, c = arm_steps(runs[a.treated]), arm_steps(runs[a.control])
-    effects = pilot_effects(runs[a.treated], runs[a.control])
-    sd = {"E1": spread(c, "ratio", rng),
-          "E2": math.hypot(spread(t, "corr", rng), spread(c, "corr", rng)),
-          "E3": math.hypot(spread(t, "clip", rng), spread(c, "clip", rng))}
+    try:
+        t, c = arm_steps(runs[a.treated]), arm_steps(runs[a.control])
+        effects = pilot_effects(runs[a.treated], runs[a.control])
+    except (PlotError, OSError, ValueError) as err:
+        print(f"power: {err}", file=sys.stderr)
+        return Exit.CONFIG
+    sd = {"E1": spread(c, "ratio", rng, steps=a.steps),
+          "E2": math.hypot(spread(t, "corr", rng, steps=a.steps), spread(c, "corr", rng, steps=a.steps)),
+          "E3": math.hypot(spread(t, "clip", rng, steps=a.steps), spread(c, "clip", rng, steps=a.steps))}
     print(f"pilot: {a.treated} {[r.name for r in runs[a.treated]]}, {a.control} {[r.name for r in runs[a.control]]}; "
           f"{len(t.sums)} + {len(c.sums)} steps; {a.sims} replicates; effect simulated at {a.shrink:g} x the pilot's; "
           "Holm over E1-E3 at 0.05, two-sided, in the predicted direction\n")
-    print(f"| endpoint | pilot effect | per-run SD (synthetic runs) | simulated effect | "
+    print(f"| endpoint | pilot effect | per-run SD (E2, E3: of the difference; synthetic runs) | simulated effect | "
           f"{' | '.join(f'power, {n} seeds' for n in a.seeds)} |")
     print("|---|---|---|---|" + "---|" * len(a.seeds))
-    powers = {n: simulate(t, c, effects, n, shrink=a.shrink, sims=a.sims, rng=rng) for n in a.seeds}
+    powers = {n: simulate(t, c, effects, n, shrink=a.shrink, sims=a.sims, rng=rng, steps=a.steps) for n in a.seeds}
     for e in ("E1", "E2", "E3", "all"):
         head = (f"| {e} | {effects[e]:+.4g} | {sd[e]:.4g} | {a.shrink * effects[e]:+.4g}" if e != "all"
                 else "| all three | | |")

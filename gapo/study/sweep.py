@@ -161,6 +161,11 @@ def main(argv: list[str] | None = None) -> int:
                 "is required")
     try:
         m = load_manifest(args.manifest)
+        ours = [o for o in overrides if o.split("=", 1)[0] in ("trainer.seed", "trainer.output_dir",
+                                                               "trainer.keep_steps")]
+        if ours:
+            raise ConfigError(f"{ours[0]}: gapo-sweep sets this per run and seed from the manifest (seeds:, its output "
+                              "folders, the evaluated steps); change the manifest instead")
         if overrides:  # after each run's own, so that they win; the output folders stay the manifest's
             m = m.model_copy(update={"runs": [r if r.use else r.model_copy(update={"overrides": [*r.overrides,
                                                                                               *overrides]})
