@@ -56,6 +56,20 @@ def result(text: str) -> None:
         print(text, flush=True)
 
 
+def brief(text: str, limit: int = 160) -> str:
+    """What a one-line message quotes of another message (a library's error): the first sentence of its first line,
+    or its words up to `limit` characters followed by " ...", never cut inside a word."""
+    lines = text.strip().splitlines()
+    line = lines[0] if lines else ""
+    end = line.find(". ")
+    if 0 < end < limit:
+        return line[:end + 1]
+    if len(line) <= limit:
+        return line
+    cut = line.rfind(" ", 0, limit)
+    return line[:cut if cut > 0 else limit] + " ..."
+
+
 def error(text: str) -> None:
     """An error message: on the console (below the progress bar, which stops there), and in train.log."""
     for bar in list(getattr(tqdm, "_instances", ())):
@@ -172,7 +186,7 @@ def _excepthook(kind, value, tb) -> None:
     if _console is not None and any(p in str(value) for p in _PEER_GONE):  # a consequence: one line, not 150
         print(text, file=sys.stderr, flush=True)  # the traceback to the log only
         error(f"gapo-train: rank {os.environ.get('RANK', '0')} lost another rank ({kind.__name__}: "
-              f"{str(value).splitlines()[0][:160]}); its traceback is in {_log}")
+              f"{brief(str(value))}); its traceback is in {_log}")
     else:
         error(text + f"\n(the run's full output: {_log})")
 

@@ -41,6 +41,7 @@ from pathlib import Path
 from gapo import rundir
 from gapo.config import CONFIGS_DIR, Config, ConfigError
 from gapo.configfile import dump_config, resolve
+from gapo.console import brief
 from gapo.models import TINY, model_facts
 
 log = logging.getLogger("gapo.rehearse")
@@ -186,7 +187,7 @@ def _benchmarks(cfg: Config, scaled: list[str]) -> list[str]:
             load_benchmark(spec, 2, cfg.data)
             kept.append(spec)
         except ConfigError as err:
-            scaled.append(f"eval.benchmarks: {spec} left out ({str(err)[:160]})")
+            scaled.append(f"eval.benchmarks: {spec} left out ({brief(str(err))})")
     return kept
 
 

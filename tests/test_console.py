@@ -171,3 +171,18 @@ def test_launch_reads_torchruns_local_rank_count(argv, ranks):
     from gapo.launch import local_ranks
 
     assert local_ranks(argv) == ranks
+
+
+def test_a_quoted_error_is_cut_at_a_sentence_or_a_word_never_inside_one():
+    """papercuts: gloo's error quoted mid-word on the dead-rank line, a rehearsal's benchmark reason cut at a width."""
+    from gapo.console import brief
+
+    gloo = ("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:20633. This is "
+            "typically caused by a remote process exiting.")
+    assert brief(gloo) == ("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+                           "[127.0.0.1]:20633.")
+    long = "Dataset 'math' (split 'train') failed: " + "data files could not be found anywhere " * 5
+    cut = brief(long, 60)
+    assert cut.endswith(" ...") and long.startswith(cut[:-4]) and len(cut) <= 64
+    assert long[len(cut) - 4] == " "  # the word before the cut is whole
+    assert brief("short\nsecond line") == "short" and brief("") == ""
