@@ -206,9 +206,14 @@ def test_fmt_eps():
                                                                            "4"]
 
 
-def test_python_m_entry_point():
-    r = subprocess.run([sys.executable, "-m", "gapo.study.plot", "--help"], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0 and "RUN_DIR" in r.stdout
+def test_python_m_entry_point_runs_main():
+    """`python -m gapo.study.plot` reaches main (not only its parser): a missing run folder is named, with gapo's
+    exit code for a fix the user makes."""
+    from gapo.errors import Exit
+
+    r = subprocess.run([sys.executable, "-m", "gapo.study.plot", "/nonexistent/run"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == Exit.CONFIG and "run directory '/nonexistent/run' does not exist" in r.stderr
 
 
 def test_parse_steps():
