@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pydantic
 import pytest
 
 from gapo.config import ConfigError
@@ -234,15 +235,40 @@ def test_slurm_scripts_hold_from_any_folder_and_take_the_schedulers_options(tmp_
     assert "dependency" not in sub and f"EVAL=$(submit {d}/tiny_cluster.eval.sbatch)" in sub
 
 
-def test_a_signal_lead_shorter_than_the_preemption_deadline_is_refused(tmp_path):
+def test_a_signal_lead_shorter_than_the_preemption_deadline_is_refused(tmp_path, capsys):
+    from gapo.study.sweep import main
+
     f = tmp_path / "m.yaml"
     f.write_text((EXPERIMENTS_DIR / "tiny_cpu.yaml").read_text().replace("cpus_per_task: 2}",
                                                                          "cpus_per_task: 2, signal_lead_s: 200}"))
+    m = load_manifest(f)
     with pytest.raises(ConfigError, match=r"slurm.signal_lead_s=200 must exceed run gapo's "
                                           r"trainer.preempt_deadline_s=240"):
-        from gapo.study.manifest import check
-        m = load_manifest(f)
-        check(m, jobs(m))
+        slurm.check(m, jobs(m))
+    assert main([str(f), "--print"]) == 2  # gapo-sweep asks every scheduler in its table, whichever mode
+    assert "slurm.signal_lead_s=200 must exceed" in capsys.readouterr().err
+
+
+def test_a_schedulers_block_is_its_own_and_gapo_sweep_refuses_one_no_scheduler_reads(tmp_path, capsys):
+    from gapo.study.sweep import main
+
+    good = (EXPERIMENTS_DIR / "tiny_cpu.yaml").read_text()
+    f = tmp_path / "m.yaml"
+    for old, new, needle in [("slurm: {", "slrum: {", "slrum: not a manifest field nor a scheduler's block "
+                                                      "(schedulers: slurm)"),
+                             ("cpus_per_task: 2}", "cpus_per_tasks: 2}", "slurm.cpus_per_tasks: Extra inputs"),
+                             ("cpus_per_task: 2}", "cpus_per_task: 0}", "slurm.cpus_per_task: Input should be "
+                                                                        "greater than or equal to 1")]:
+        f.write_text(good.replace(old, new))
+        assert main([str(f), "--slurm", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert needle in err, (new, err)
+        assert not (tmp_path / "out").exists()
+    f.write_text(good.replace("slurm: {gpus_per_node: 0, cpus_per_task: 2}", "slurm: 2"))
+    with pytest.raises(ConfigError, match="slurm: not a manifest field .* is a mapping"):
+        load_manifest(f)
+    assert main(["tiny_cpu", "--print", "--partition", "x"]) == 2
+    assert "--partition goes with --slurm" in capsys.readouterr().err
 
 
 # tiny_cluster's graph: two runs and a branch of the second, each evaluated after its training.
@@ -251,14 +277,22 @@ TINY_CLUSTER_GRAPH = [("gapo seed 0", "-"), ("gspo seed 0", "-"), ("gapo_from_gs
                       ("evaluation of gapo_from_gspo seed 0", "gapo_from_gspo seed 0")]
 
 
+class ShellSpec(pydantic.BaseModel):
+    """The test scheduler's settings: the manifest's `shell:` block, --shell-name over it."""
+
+    model_config = pydantic.ConfigDict(extra="forbid")
+    shell_name: str = "bash"
+
+
 def _shell_backend(m, tasks, out_dir: Path, workdir: Path) -> list[Path]:
-    """A second scheduler, for the tests alone: the graph's edges as `task <- what it waits for` lines, and one bash
-    script that runs every task after the tasks it waits for."""
+    """A second scheduler, for the tests alone: the graph's edges as `task <- what it waits for` lines, and one
+    script for its shell that runs every task after the tasks it waits for."""
     out_dir = workdir / out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     edges = out_dir / "graph.txt"
     edges.write_text("".join(f"{t.name} <- {', '.join(t.depends_on) or '-'}\n" for t in tasks))
-    lines, done, pending = ["#!/bin/bash", "set -euo pipefail", f"cd {shlex.quote(str(workdir))}"], set(), list(tasks)
+    head = [f"#!/bin/{m.block('shell', ShellSpec).shell_name}", "set -euo pipefail", f"cd {shlex.quote(str(workdir))}"]
+    lines, done, pending = head, set(), list(tasks)
     while pending:
         t = next(t for t in pending if set(t.depends_on) <= done)
         lines += [f"echo {shlex.quote(t.name)}", shlex.join(t.argv)]
@@ -271,17 +305,25 @@ def _shell_backend(m, tasks, out_dir: Path, workdir: Path) -> list[Path]:
 
 def test_a_second_scheduler_is_one_render_function_and_one_row(tmp_path, monkeypatch, capsys):
     """The graph carries all a scheduler needs: a test-only backend in gapo-sweep's table gets its own flag
-    (--shell [DIR]) and renders tiny_cluster's tasks, dependencies and commands, with no change to the manifest
-    code; with --eval, the evaluations alone, after nothing."""
+    (--shell [DIR]), its own manifest block (shell:) and --FLAG over it, and renders tiny_cluster's tasks,
+    dependencies and commands, with no change to the manifest code; with --eval, the evaluations alone, after
+    nothing."""
     from gapo.study import sweep
 
-    monkeypatch.setitem(sweep.BACKENDS, "shell", sweep.Backend(_shell_backend, "a bash script"))
+    monkeypatch.setitem(sweep.BACKENDS, "shell", sweep.Backend(_shell_backend, "a bash script", ShellSpec,
+                                                               ("shell_name",)))
     monkeypatch.chdir(tmp_path)
-    assert sweep.main(["tiny_cluster", "--shell"]) == 0
+    (tmp_path / "tiny_cluster.yaml").write_text((EXPERIMENTS_DIR / "tiny_cluster.yaml").read_text()
+                                                 + "shell: {shell_name: sh}\n")
+    assert sweep.main(["tiny_cluster.yaml", "--shell"]) == 0
     assert "submit with: bash runs/tiny_cluster/shell/run.sh" in capsys.readouterr().out
     d = tmp_path / "runs" / "tiny_cluster" / "shell"
     assert [tuple(line.split(" <- ")) for line in (d / "graph.txt").read_text().splitlines()] == TINY_CLUSTER_GRAPH
     script = (d / "run.sh").read_text()
+    assert script.startswith("#!/bin/sh\n")  # the manifest's block
+    assert sweep.main(["tiny_cluster.yaml", "--shell", "--shell-name", "bash"]) == 0
+    script = (d / "run.sh").read_text()
+    assert script.startswith("#!/bin/bash\n")  # the command line's over it
     assert subprocess.run(["bash", "-n", str(d / "run.sh")]).returncode == 0
     m = load_manifest("tiny_cluster")
     trains = [shlex.join(j.command(m.nproc)) + "\n" for j in jobs(m)]  # as --print writes them

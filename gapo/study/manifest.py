@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -19,6 +19,7 @@ from gapo import rundir
 from gapo.config import CompileMode, Config, ConfigError, EvalProtocol
 from gapo.configfile import load_config, read_yaml
 
+S = TypeVar("S", bound=BaseModel)
 EXPERIMENTS_DIR = Path(__file__).resolve().parents[2] / "experiments"
 
 
@@ -72,29 +73,11 @@ class CompareSpec(_Strict):
                           "branch"]] = Field(default_factory=list)
 
 
-class SlurmSpec(_Strict):
-    """What `--slurm` asks the scheduler for. gapo-sweep's --partition, --account, --qos, --constraint, --time,
-    --eval-time and --mem give the same over the manifest's."""
-
-    partition: str | None = None
-    account: str | None = None
-    qos: str | None = None
-    constraint: str | None = None
-    time: str | None = Field(None, description="A training task's time limit (SLURM's format, e.g. 2-00:00:00); at "
-                                               "it the task saves and requeues itself. Default: the partition's.")
-    eval_time: str | None = Field(None, description="An evaluation task's time limit. Default: the partition's.")
-    mem: str | None = Field(None, description="Memory per node (SLURM's format, e.g. 500G). Default: the "
-                                              "cluster's.")
-    gpus_per_node: int | None = Field(None, ge=0, description="Default: nproc, one GPU per rank; 0 for a CPU run "
-                                                              "(no GPU asked for).")
-    cpus_per_task: int | None = Field(None, ge=1, description="CPUs per node for its ranks, their engines and the "
-                                                              "reward workers. Default: 4 per rank.")
-    signal_lead_s: int = Field(300, ge=1, description="SIGUSR1 this many seconds before the time limit "
-                                                      "(--signal=USR1@N); must exceed every run's "
-                                                      "trainer.preempt_deadline_s by the time a save takes.")
-
-
 class Manifest(_Strict):
+    """Any other top-level key is a scheduler's block (`slurm:`), a mapping this file does not read: the scheduler's
+    module validates it (`block`) and gapo-sweep refuses a key no scheduler in its table reads."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
     title: str
     produces: str = Field(description="The paper table or figure this reproduces, e.g. 'Table 3 (Qwen)'.")
@@ -108,10 +91,13 @@ class Manifest(_Strict):
                                           "Tables 1 and 2, one evaluation (no seeds).")
     eval: EvalSpec
     compare: CompareSpec = Field(default_factory=CompareSpec)
-    slurm: SlurmSpec = Field(default_factory=SlurmSpec)
 
     @model_validator(mode="after")
     def _runs(self) -> Manifest:
+        for key, value in (self.model_extra or {}).items():
+            if not isinstance(value, dict):
+                raise ValueError(f"{key}: not a manifest field ({', '.join(type(self).model_fields)}); a "
+                                 f"scheduler's block ({key}: with its settings beneath) is a mapping")
         names = [r.name for r in self.runs]
         if len(set(names)) != len(names):
             raise ValueError(f"runs: names repeat ({', '.join(sorted({n for n in names if names.count(n) > 1}))})")
@@ -126,6 +112,15 @@ class Manifest(_Strict):
                 if x not in labels:
                     raise ValueError(f"compare.against: {x!r} is not a run's label ({', '.join(sorted(labels))})")
         return self
+
+    def block(self, scheduler: str, spec: type[S]) -> S:
+        """The `scheduler:` block read as that scheduler's spec (its defaults where the manifest has none)."""
+        try:
+            return spec.model_validate((self.model_extra or {}).get(scheduler, {}))
+        except ValidationError as err:
+            e = err.errors()[0]
+            where = ".".join(str(x) for x in (scheduler, *e["loc"]))
+            raise ConfigError(f"manifest {self.name}: {where}: {e['msg']}") from None
 
     def run(self, name: str) -> RunSpec:
         return next(r for r in self.runs if r.name == name)
@@ -244,10 +239,6 @@ def check(m: Manifest, js: list[Job]) -> None:
         final = cfg.trainer.total_steps
         if max(m.eval.steps) > final:
             raise ConfigError(f"eval.steps: {max(m.eval.steps)} is past run {j.run.name}'s trainer.total_steps={final}")
-        if cfg.trainer.preempt_deadline_s >= m.slurm.signal_lead_s:
-            raise ConfigError(f"slurm.signal_lead_s={m.slurm.signal_lead_s} must exceed run {j.run.name}'s "
-                              f"trainer.preempt_deadline_s={cfg.trainer.preempt_deadline_s:g} by the time a save "
-                              "takes: the signal before the time limit would come too late to save")
         if j.shared:  # its owner's sweep keeps its checkpoints: the ones we evaluate or branch from must be among them
             t = cfg.trainer
             need = set(j.own_steps(m.eval.steps)) | {b.branch.step for b in m.runs

@@ -11,8 +11,48 @@ import shlex
 import sys
 from pathlib import Path
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from gapo.config import ConfigError
-from gapo.study.manifest import Manifest, SlurmSpec, Task, local_command
+from gapo.study.manifest import Job, Manifest, Task, local_command
+
+
+class SlurmSpec(BaseModel):
+    """The manifest's `slurm:` block: what `--slurm` asks the scheduler for. gapo-sweep's --partition, --account,
+    --qos, --constraint, --time, --eval-time and --mem (FLAGS) give the same over the manifest's."""
+
+    model_config = ConfigDict(extra="forbid")
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    time: str | None = Field(None, description="A training task's time limit (SLURM's format, e.g. 2-00:00:00); at "
+                                               "it the task saves and requeues itself. Default: the partition's.")
+    eval_time: str | None = Field(None, description="An evaluation task's time limit. Default: the partition's.")
+    mem: str | None = Field(None, description="Memory per node (SLURM's format, e.g. 500G). Default: the "
+                                              "cluster's.")
+    gpus_per_node: int | None = Field(None, ge=0, description="Default: nproc, one GPU per rank; 0 for a CPU run "
+                                                              "(no GPU asked for).")
+    cpus_per_task: int | None = Field(None, ge=1, description="CPUs per node for its ranks, their engines and the "
+                                                              "reward workers. Default: 4 per rank.")
+    signal_lead_s: int = Field(300, ge=1, description="SIGUSR1 this many seconds before the time limit "
+                                                      "(--signal=USR1@N); must exceed every run's "
+                                                      "trainer.preempt_deadline_s by the time a save takes.")
+
+
+FLAGS = ("partition", "account", "qos", "constraint", "time", "eval_time", "mem")  # gapo-sweep --FLAG over the block
+
+
+def check(m: Manifest, js: list[Job]) -> None:
+    """A run that cannot save before its time limit's signal fails here, not at the limit."""
+    lead = m.block("slurm", SlurmSpec).signal_lead_s
+    for j in js:
+        deadline = j.resolved().trainer.preempt_deadline_s
+        if deadline >= lead:
+            raise ConfigError(f"slurm.signal_lead_s={lead} must exceed run {j.run.name}'s "
+                              f"trainer.preempt_deadline_s={deadline:g} by the time a save takes: the signal before "
+                              "the time limit would come too late to save")
+
 
 LOGS = "logs"  # in the slurm folder: every job's output, <job name>-<array job id>_<task>.out, appended to on requeue
 
@@ -103,7 +143,7 @@ def _bash_array(name: str, items: list[str]) -> str:
 def _train_script(m: Manifest, stage: list[Task], path: Path, workdir: Path, kind: str) -> Path:
     """A job-array script, one task per run x seed of `stage`. It launches gapo-train under torchrun itself (not
     the task's argv), to resume a requeued task from its own newest checkpoint or a branch from its parent's."""
-    spec, python = m.slurm, shlex.quote(sys.executable)
+    spec, python = m.block("slurm", SlurmSpec), shlex.quote(sys.executable)
     js, nproc = [t.job for t in stage], stage[0].resources.nproc
     path.write_text(f"""#!/bin/bash
 # {m.title} ({m.produces}): {kind}, one array task per run x seed. Submitted by submit.sh (next to this file);
@@ -157,7 +197,7 @@ exit "$code"
 
 def _eval_script(m: Manifest, stage: list[Task], path: Path, workdir: Path) -> Path:
     """A job-array script, one task per evaluation (a run's checkpoints, or the base model)."""
-    spec = m.slurm
+    spec = m.block("slurm", SlurmSpec)
     path.write_text(f"""#!/bin/bash
 # {m.title} ({m.produces}): the evaluation, one array task per run (its kept checkpoints under the manifest's
 # protocol) and the base model when the manifest asks. gapo-eval skips a checkpoint whose results.json exists

@@ -31,6 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from pydantic import BaseModel
+
 from gapo import rundir
 from gapo.config import ConfigError
 from gapo.configfile import OVERRIDE, load_config
@@ -43,16 +45,22 @@ from gapo.study.manifest import Job, Manifest, Task, check, eval_commands, graph
 @dataclass(frozen=True)
 class Backend:
     """A scheduler gapo-sweep writes the sweep's graph for, as `--NAME [DIR]`. `render(manifest, tasks, out_dir,
-    workdir)` writes its files under out_dir (jobs start in workdir) and returns them, the one to run last."""
+    workdir)` writes its files under out_dir (jobs start in workdir) and returns them, the one to run last. Its
+    settings are the manifest's `NAME:` block, read by the module as `spec` (`Manifest.block`); `flags` are the
+    spec's fields gapo-sweep also takes as --FLAG; `check(manifest, jobs)` refuses, before anything is printed or
+    run, a sweep the scheduler could not carry out."""
 
     render: Callable[[Manifest, list[Task], Path, Path], list[Path]]
     help: str
+    spec: type[BaseModel]
+    flags: tuple[str, ...] = ()
+    check: Callable[[Manifest, list[Job]], None] | None = None
 
 
-# A second scheduler is a module with a render function and one row here.
+# A second scheduler is a module (its spec, render and check) and one row here; manifest.py knows none.
 BACKENDS = {
     "slurm": Backend(slurm.render, "write SLURM job arrays and submit.sh (with --eval: the evaluation's and "
-                                   "submit_eval.sh)"),
+                                   "submit_eval.sh)", slurm.SlurmSpec, slurm.FLAGS, slurm.check),
 }
 
 
@@ -146,9 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--list", action="store_true", help="with --eval: print the gapo-eval commands instead")
     p.add_argument("--output-root", help="instead of the manifest's output_root (runs)")
     p.add_argument("--nproc", type=int, help="with --run: ranks per run here (default: the manifest's)")
-    sched = p.add_argument_group("with --slurm: over the manifest's slurm: block")
-    for flag in ("partition", "account", "qos", "constraint", "time", "eval-time", "mem"):
-        sched.add_argument(f"--{flag}", metavar="VALUE")
+    for name, backend in BACKENDS.items():
+        group = p.add_argument_group(f"with --{name}: over the manifest's {name}: block")
+        for field in backend.flags:
+            group.add_argument(f"--{field.replace('_', '-')}", metavar="VALUE", dest=f"{name}.{field}")
     argv = sys.argv[1:] if argv is None else list(argv)
     # key.path=value: a config setting for every run (not a DIR of --slurm, which takes an optional value)
     overrides = [a for a in argv if OVERRIDE.match(a)]
@@ -161,6 +170,15 @@ def main(argv: list[str] | None = None) -> int:
                 "is required")
     try:
         m = load_manifest(args.manifest)
+        unknown = sorted(set(m.model_extra or {}) - set(BACKENDS))
+        if unknown:
+            raise ConfigError(f"manifest {m.name}: {unknown[0]}: not a manifest field nor a scheduler's block "
+                              f"(schedulers: {', '.join(BACKENDS)})")
+        given = {name: {f: getattr(args, f"{name}.{f}") for f in b.flags if getattr(args, f"{name}.{f}") is not None}
+                 for name, b in BACKENDS.items()}
+        for name, values in given.items():
+            if values and name != scheduler:
+                raise ConfigError(f"--{next(iter(values)).replace('_', '-')} goes with --{name}")
         ours = [o for o in overrides if o.split("=", 1)[0] in ("trainer.seed", "trainer.output_dir",
                                                                "trainer.keep_steps")]
         if ours:
@@ -172,11 +190,13 @@ def main(argv: list[str] | None = None) -> int:
                                               for r in m.runs]})
         js = jobs(m, args.output_root)
         check(m, js)
+        for b in BACKENDS.values():
+            if b.check:
+                b.check(m, js)
         if scheduler:
-            given = {"partition": args.partition, "account": args.account, "qos": args.qos,
-                     "constraint": args.constraint, "time": args.time, "eval_time": args.eval_time, "mem": args.mem}
-            spec = m.slurm.model_copy(update={k: v for k, v in given.items() if v is not None})
-            m = m.model_copy(update={"slurm": spec})
+            block = {**(m.model_extra or {}).get(scheduler, {}), **given[scheduler]}
+            m = m.model_copy(update={scheduler: block})
+            m.block(scheduler, BACKENDS[scheduler].spec)  # a bad --flag value is named before anything is written
             out = Path(getattr(args, scheduler) or Path(args.output_root or m.output_root) / m.name / scheduler)
             for f in BACKENDS[scheduler].render(m, graph(m, js, train=not args.eval), out, Path.cwd()):
                 print(f"gapo-sweep: wrote {f}")
