@@ -53,6 +53,10 @@ def train_main(argv: list[str] | None = None) -> int:
     overrides = args.overrides + ([f"trainer.resume_from={args.resume}"] if args.resume else [])
     try:
         cfg = load_config(args.config, overrides)
+        if cfg.rollout.placement == "split":
+            from gapo.rollout.transport import transport_named
+
+            transport_named(cfg.rollout.transport)  # a name no transport has, before any rank starts
     except ConfigError as err:
         print(f"gapo-train: {err}", file=sys.stderr)
         return Exit.CONFIG

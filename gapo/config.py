@@ -371,9 +371,10 @@ class RolloutConfig(_Section):
                                  "cross a gloo bridge after every step (gapo/rollout/split.py).")
     generator_ranks: int = Field(0, ge=0, description="split: how many of the job's ranks run an engine only "
                                                       "(at most as many as the training ranks).")
-    transport: Literal["gloo"] = Field(
-        "gloo", description="split: what carries rollouts and weights between trainer and generator ranks "
-                            "(gapo.rollout.transport.TRANSPORTS): gloo, point to point through host memory.")
+    transport: str = Field(
+        "gloo", description="split: what carries rollouts and weights between trainer and generator ranks, a row of "
+                            "gapo.rollout.transport.TRANSPORTS: gloo, point to point through host memory; a plugin "
+                            "adds one with gapo.rollout.transport.register.")
     max_staleness: int = Field(
         0, ge=0, description="split: while the trainer trains step n, the generators sample steps up to n + this, "
                              "so step n's rollouts come from the weights of step n-1-j, j <= max_staleness. 0: "
@@ -393,6 +394,9 @@ class RolloutConfig(_Section):
     def _placement(self) -> RolloutConfig:
         if self.placement == "split" and self.generator_ranks < 1:
             raise ValueError("rollout.placement=split needs rollout.generator_ranks >= 1")
+        if self.placement != "split" and self.transport != "gloo":  # its table is gapo.rollout's: gapo-train reads it
+            raise ValueError(f"rollout.transport={self.transport!r} needs rollout.placement=split (a colocated run "
+                             "has no transport)")
         if self.placement == "colocated" and (self.generator_ranks or self.max_staleness):
             raise ValueError("rollout.generator_ranks and rollout.max_staleness need rollout.placement=split "
                              "(a colocated engine samples while its own rank waits)")

@@ -265,17 +265,24 @@ def test_the_rollout_queue_serves_colocated_and_split_alike():
 # --- the whole job -----------------------------------------------------------------------------------------------
 
 @pytest.mark.e2e
-def test_synchronous_split_equals_colocated(tmp_path):
+def test_synchronous_split_equals_colocated_over_gloo_and_over_a_transport_from_a_plugin(tmp_path):
     """max_staleness 0: the trainers' requests and seeds are the colocated run's, each served as its own batch, so
-    1 generator + 2 trainers must log what 2 colocated ranks log (fp32), and sample the same rollouts."""
+    1 generator + 2 trainers must log what 2 colocated ranks log (fp32), and sample the same rollouts: over the gloo
+    bridge, and over a second transport that rollout.transport names from a plugin (every message and tensor a key in
+    the rendezvous store, tests/fixtures/store_transport.py), which every rank then speaks."""
     run(tmp_path / "c", "trainer.total_steps=3", nproc=2)
-    run(tmp_path / "s", "trainer.total_steps=3", *SPLIT, nproc=3)
-    a, b = metrics(tmp_path / "c"), metrics(tmp_path / "s")
-    assert_same_steps(a, b, [1, 2, 3])
-    assert all(b[s]["rollout/staleness"] == 0 and b[s]["sync/weight_version"] == s - 1 for s in b)
-    for s in (1, 2, 3):
-        assert _rollouts(tmp_path / "c", s) == _rollouts(tmp_path / "s", s)
-    assert "time/generator_s" in json.loads((tmp_path / "s" / "metrics.jsonl").read_text().splitlines()[0])
+    a = metrics(tmp_path / "c")
+    for name, extra in [("gloo", []), ("store", ["plugins=[tests/fixtures/store_transport.py]",
+                                                 "rollout.transport=store"])]:
+        run(tmp_path / name, "trainer.total_steps=3", *SPLIT, *extra, nproc=3)
+        log = (tmp_path / name / "train.log").read_text()  # every rank's output
+        assert [f"store transport: global rank {g}" in log for g in range(3)] == [name == "store"] * 3, log[-3000:]
+        b = metrics(tmp_path / name)
+        assert_same_steps(a, b, [1, 2, 3])
+        assert all(b[s]["rollout/staleness"] == 0 and b[s]["sync/weight_version"] == s - 1 for s in b)
+        for s in (1, 2, 3):
+            assert _rollouts(tmp_path / "c", s) == _rollouts(tmp_path / name, s)
+        assert "time/generator_s" in json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[0])
 
 
 @pytest.mark.e2e
@@ -321,17 +328,29 @@ def test_a_dead_generator_ends_the_run_at_once_saying_which(tmp_path):
     assert Path(out / "checkpoints" / "step_000002" / "in_flight_rank0.pt").is_file()
 
 
-def test_rollout_transport_names_the_rows_of_the_transport_table():
-    """rollout.transport chooses the split job's Transport (gapo.rollout.transport.TRANSPORTS): each choice is a row,
-    and each row has the protocol's methods."""
-    from typing import get_args
+def test_rollout_transport_names_a_row_of_the_transport_table(capsys):
+    """rollout.transport chooses the split job's Transport (gapo.rollout.transport.TRANSPORTS): gapo-train refuses a
+    name no row has before any rank starts, naming the rows; a colocated run has none to choose; a plugin's row is
+    one to choose; each row has the protocol's methods."""
+    from gapo.cli import train_main
+    from gapo.errors import Exit
+    from gapo.rollout.transport import TRANSPORTS, Transport, register, transport_named
 
-    from gapo.config import RolloutConfig
-    from gapo.rollout.transport import TRANSPORTS, Transport
-
-    assert set(get_args(RolloutConfig.model_fields["transport"].annotation)) == set(TRANSPORTS)
+    tiny = str(ROOT / "configs" / "tiny_cpu.yaml")
+    assert train_main(["--config", tiny, "--plan", "24", *SPLIT, "rollout.transport=nope"]) == Exit.CONFIG
+    assert "rollout.transport='nope': no such transport; gapo.rollout.transport.TRANSPORTS has gloo" in \
+        capsys.readouterr().err
+    with pytest.raises(ConfigError, match="rollout.transport='gloo2' needs rollout.placement=split"):
+        load_config(tiny, ["rollout.transport=gloo2"])
+    plugin = Path(__file__).parent / "fixtures" / "store_transport.py"
+    cfg = load_config(tiny, [*SPLIT, f"plugins=[{plugin}]", "rollout.transport=store"])
+    assert transport_named(cfg.rollout.transport) is TRANSPORTS["store"] and TRANSPORTS["store"].__name__ == \
+        "StoreTransport"
+    with pytest.raises(ValueError, match="transport 'store' exists already"):
+        register("store", GlooBridge)
+    with pytest.raises(ValueError, match="lacks send_weights, recv_weights, release"):
+        register("half", type("Half", (), {"send": None, "recv": None}))
     methods = {m for m in vars(Transport) if not m.startswith("_")}
     assert methods == {"send", "recv", "send_weights", "recv_weights", "release"}
     for cls in TRANSPORTS.values():
         assert all(callable(getattr(cls, m, None)) for m in methods), cls
-

@@ -9,13 +9,14 @@ ahead of what they receive; the protocol calls `release` where it knows the peer
 from __future__ import annotations
 
 import pickle
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from gapo.distributed import Placement
+from gapo.errors import ConfigError
 
 
 class PeerGone(RuntimeError):
@@ -55,10 +56,14 @@ def _wait(work, peer: int, what: str) -> None:
                        "train.log") from err
 
 
-def build_transport(kind: str, placement: Placement) -> Transport:
-    """rollout.transport's Transport for a split job's rank; a new transport is a class with the five methods above
-    and a row in TRANSPORTS (rollout.transport's choices name the rows)."""
-    return TRANSPORTS[kind](placement)
+def transport_named(kind: str) -> Callable[[Placement], Transport]:
+    """rollout.transport's row of TRANSPORTS; a new transport is a class with the five methods above, built from the
+    rank's Placement, and a row (here, or `register` in a config's plugin). gapo-train asks before any rank starts
+    (config.py reads no module of gapo.rollout); the split loop builds the rank's with it."""
+    if kind not in TRANSPORTS:
+        raise ConfigError(f"rollout.transport={kind!r}: no such transport; gapo.rollout.transport.TRANSPORTS has "
+                          f"{', '.join(TRANSPORTS)} (a plugin adds one with gapo.rollout.transport.register)")
+    return TRANSPORTS[kind]
 
 
 class GlooBridge:
@@ -126,4 +131,14 @@ class GlooBridge:
         self.pending = []
 
 
-TRANSPORTS: dict[str, type] = {"gloo": GlooBridge}
+TRANSPORTS: dict[str, Callable[[Placement], Transport]] = {"gloo": GlooBridge}
+
+
+def register(name: str, transport: Callable[[Placement], Transport]) -> None:
+    """Add a transport that `rollout.transport` can then name (a name taken by another transport is refused)."""
+    if TRANSPORTS.get(name, transport) is not transport:
+        raise ValueError(f"transport {name!r} exists already ({', '.join(TRANSPORTS)})")
+    missing = [m for m in ("send", "recv", "send_weights", "recv_weights", "release") if not hasattr(transport, m)]
+    if missing:
+        raise ValueError(f"transport {name!r} lacks {', '.join(missing)} (gapo.rollout.transport.Transport)")
+    TRANSPORTS[name] = transport

@@ -40,7 +40,7 @@ from gapo.proc import stat_fields
 from gapo.reward.registry import check_rewards, score_groups, training_set
 from gapo.rollout import split
 from gapo.rollout.engine import Engine, build_engine
-from gapo.rollout.transport import PeerGone, Transport, build_transport
+from gapo.rollout.transport import PeerGone, Transport, transport_named
 from gapo.rollout.types import SamplingConfig
 from gapo.tracking import Tracker
 from gapo.trainer import checkpoint, preempt, sync
@@ -205,7 +205,7 @@ def setup(cfg: Config, rank: int, world: int, remote: split.RemoteEngine | None)
 def train(cfg: Config) -> Path | None:
     preempt.install()  # SIGTERM / SIGUSR1: stop at the next safe point, save, exit PREEMPTED
     placement = init_distributed(cfg.trainer.collective_timeout_min, cfg.rollout.generator_ranks)
-    link = build_transport(cfg.rollout.transport, placement) if placement.generators else None
+    link = transport_named(cfg.rollout.transport)(placement) if placement.generators else None
     if placement.is_generator:
         serve_rollouts(cfg, placement, link)
         return None
