@@ -25,7 +25,7 @@ def prepare(out: Path) -> None:
 
     from gapo.configfile import load_config
     from gapo.models import resolve_model
-    from gapo.trainer.actor import with_lora
+    from gapo.trainer.lora import with_lora
 
     base = resolve_model("tiny-qwen2")
     model = AutoModelForCausalLM.from_pretrained(base)

@@ -172,7 +172,7 @@ def largest_adapted(facts: dict, targets: list[str]) -> int:
 
 
 def lora_merge_bytes(facts: dict, targets: list[str], dtype: str) -> int:
-    """The temporaries of one merged weight, base + scale * B @ A (gapo.trainer.actor.merged_weight), which every
+    """The temporaries of one merged weight, base + scale * B @ A (gapo.trainer.lora.merged_weight), which every
     adapted layer builds in its forward, its backward and each push: B @ A in fp32 and its scaled copy (8 bytes an
     element), then in bf16 the base's fp32 copy and the fp32 sum (4 + 4; the cast to bf16 comes after the copy is
     freed); in fp32 the sum alone takes the place of the freed product. One layer's at a time: 12 bytes per element

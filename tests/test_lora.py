@@ -9,6 +9,7 @@ import torch
 from gapo.configfile import load_config
 from gapo.models import resolve_model
 from gapo.trainer import actor as actor_mod
+from gapo.trainer.lora import compute_with_merged_weights, merged_weight, with_lora
 
 
 def lora_model(rank: int = 4, dtype: torch.dtype = torch.float32, b_std: float = 0.1):
@@ -16,7 +17,7 @@ def lora_model(rank: int = 4, dtype: torch.dtype = torch.float32, b_std: float =
     from transformers import AutoModelForCausalLM
 
     cfg = load_config("configs/tiny_cpu.yaml", [f"model.lora.rank={rank}", "model.lora.alpha=8"])
-    model = actor_mod.with_lora(AutoModelForCausalLM.from_pretrained(resolve_model("tiny-qwen2"), dtype=dtype),
+    model = with_lora(AutoModelForCausalLM.from_pretrained(resolve_model("tiny-qwen2"), dtype=dtype),
                                 cfg.model.lora)
     torch.manual_seed(0)
     with torch.no_grad():
@@ -76,7 +77,7 @@ def test_in_bf16_the_trainer_computes_with_exactly_the_weights_it_pushes():
     model = lora_model(dtype=torch.bfloat16, b_std=1e-4)
     q = model.get_submodule("model.layers.0.self_attn.q_proj")
     base = q.base_layer.weight
-    pushed_q = actor_mod.merged_weight(q)
+    pushed_q = merged_weight(q)
     assert (pushed_q == base).float().mean() > 0.5  # the rounding: most merged elements are the base's ...
     assert not torch.equal(pushed_q, base)  # ... not all: the adapters do move the engine
     engine, initial = (AutoModelForCausalLM.from_pretrained(resolve_model("tiny-qwen2"), dtype=torch.bfloat16)
@@ -94,7 +95,7 @@ def test_the_merged_forward_has_loras_gradient():
     gradient checkpointing recomputing the forward as the actor's does."""
     model = lora_model()
     merged = copy.deepcopy(model)
-    actor_mod.compute_with_merged_weights(merged)
+    compute_with_merged_weights(merged)
     merged.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     merged.train()
     ids = torch.randint(3, 200, (2, 12), generator=torch.Generator().manual_seed(2))
@@ -154,7 +155,7 @@ def test_an_adapter_on_a_tied_output_head_is_refused():
     from gapo.errors import ConfigError
 
     with pytest.raises(ConfigError, match="adapts the output head, which this model ties"):
-        actor_mod.with_lora(AutoModelForCausalLM.from_pretrained(resolve_model("tiny-qwen2")), lora)
+        with_lora(AutoModelForCausalLM.from_pretrained(resolve_model("tiny-qwen2")), lora)
 
 
 def test_only_the_adapters_train_and_dropout_is_refused():

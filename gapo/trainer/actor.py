@@ -18,9 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from gapo.errors import ConfigError
 from gapo.memory import REDUCE_BUCKET
-from gapo.trainer import logprobs
+from gapo.trainer import logprobs, lora
 from gapo.trainer.logprobs import MicroBatch, response_logprobs
 
 if TYPE_CHECKING:
@@ -143,6 +142,39 @@ def adamw(params: list[torch.nn.Parameter], t: TrainerConfig) -> torch.optim.Ada
                              fused=True if t.offload.optimizer == "cpu" else None)
 
 
+def deepspeed_config(cfg: Config, world: int, zero_stage: int, load_universal: bool = False) -> dict:
+    """The DeepSpeed config of the actor (and, with its stage changed, of the KL reference) from gapo's."""
+    t = cfg.trainer
+    shape = cfg.shape(world)  # micro-batches per optimizer step, optimizer steps per rollout batch
+    bf16 = cfg.model.dtype == "bfloat16"
+    ds_config = {
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": shape.micro_per_mini,
+        "train_batch_size": t.micro_batch_size * shape.micro_per_mini * world,
+        "gradient_clipping": t.grad_clip,
+        "bf16": {"enabled": bf16},
+        # small params (norms) stay whole: fewer gathers; the reduce bucket is the memory plan's (gapo/memory.py)
+        "zero_optimization": {"stage": zero_stage, "reduce_bucket_size": REDUCE_BUCKET},
+        "wall_clock_breakdown": False,
+    }
+    o = t.offload
+    if o.optimizer == "cpu":
+        # Pinned host buffers need CUDA; the step runs our fused torch AdamW on the host partitions (`adamw`;
+        # DeepSpeed asks for its CPU Adam op by default, a JIT build; GPU only: unverified here).
+        pin = torch.cuda.is_available()
+        ds_config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
+        if o.params == "cpu":
+            ds_config["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": pin}
+        ds_config["zero_force_ds_cpu_optimizer"] = False
+    if load_universal and zero_stage > 0:  # resuming a checkpoint of another world size (checkpoint.reshard)
+        ds_config["checkpoint"] = {"load_universal": True}
+    if bf16:
+        # Gradients of bf16 weights are summed over micro-batches and ranks in fp32: a step's token-mean
+        # loss over ~10^6 tokens at lr 1e-6 is made of terms that a bf16 sum (8 bits of mantissa) drops.
+        ds_config.update(data_types={"grad_accum_dtype": "fp32"}, communication_data_type="fp32")
+    return ds_config
+
+
 class _Schedule(torch.optim.lr_scheduler.LambdaLR):
     """A LambdaLR that stays put while `skip` is set. DeepSpeed steps the scheduler unless its optimizer reports
     an overflow, which the plain AdamW of stage 0 never does: a skipped step there would advance the schedule
@@ -162,8 +194,7 @@ class Actor:
         t = cfg.trainer
         self.cfg = cfg
         self.world = dist.get_world_size()
-        shape = cfg.shape(self.world)  # micro-batches per optimizer step, optimizer steps per rollout batch
-        bf16 = cfg.model.dtype == "bfloat16"
+        shape = cfg.shape(self.world)
         # ZeRO partitions weights, gradients and optimizer state across data-parallel ranks; with one rank there
         # is nothing to partition, and stage 3 there only adds its gather/release hooks and flat copies:
         # +10 s per demo step and +2.3 GiB on the CPU (docs/PERFORMANCE.md); see Config.zero_stage.
@@ -171,37 +202,13 @@ class Actor:
         if self.zero_stage != t.zero_stage:
             log.info("trainer.zero_stage=%d with one rank: running DeepSpeed at stage %d (nothing to partition)",
                      t.zero_stage, self.zero_stage)
-        ds_config = {
-            "train_micro_batch_size_per_gpu": t.micro_batch_size,
-            "gradient_accumulation_steps": shape.micro_per_mini,
-            "train_batch_size": t.micro_batch_size * shape.micro_per_mini * self.world,
-            "gradient_clipping": t.grad_clip,
-            "bf16": {"enabled": bf16},
-            # small params (norms) stay whole: fewer gathers; the reduce bucket is the memory plan's (gapo/memory.py)
-            "zero_optimization": {"stage": self.zero_stage, "reduce_bucket_size": REDUCE_BUCKET},
-            "wall_clock_breakdown": False,
-        }
-        o = t.offload
-        if o.optimizer == "cpu":
-            # Pinned host buffers need CUDA; the step runs our fused torch AdamW on the host partitions (`adamw`;
-            # DeepSpeed asks for its CPU Adam op by default, a JIT build; GPU only: unverified here).
-            pin = torch.cuda.is_available()
-            ds_config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
-            if o.params == "cpu":
-                ds_config["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": pin}
-            ds_config["zero_force_ds_cpu_optimizer"] = False
-        if load_universal and self.zero_stage > 0:  # resuming a checkpoint of another world size (checkpoint.reshard)
-            ds_config["checkpoint"] = {"load_universal": True}
-        if bf16:
-            # Gradients of bf16 weights are summed over micro-batches and ranks in fp32: a step's token-mean
-            # loss over ~10^6 tokens at lr 1e-6 is made of terms that a bf16 sum (8 bits of mantissa) drops.
-            ds_config.update(data_types={"grad_accum_dtype": "fp32"}, communication_data_type="fp32")
+        ds_config = deepspeed_config(cfg, self.world, self.zero_stage, load_universal)
         model = load_model(model_dir, ds_config, self.zero_stage)
         if cfg.model.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
         if cfg.model.lora is not None:
-            model = with_lora(model, cfg.model.lora)
+            model = lora.with_lora(model, cfg.model.lora)
         # Only what trains is in the optimizer (with LoRA, the adapters; the base weights are frozen).
         trainable = [p for p in model.parameters() if p.requires_grad]
         optimizer = adamw(trainable, t)
@@ -229,21 +236,7 @@ class Actor:
         # linear layers are PEFT's (base_layer + lora_A/lora_B), see pushed_names.
         self.module = model
         if cfg.model.lora is not None:
-            # A LoRA checkpoint leaves the frozen base out (checkpoint.save: exclude_frozen_parameters), but DeepSpeed
-            # finds frozen tensors by named_parameters(), which names a tied weight once: the tied head's alias
-            # (lm_head.weight, the whole embedding matrix) stayed in, 113 of the demo's 133 MB of module state
-            # (deepspeed 0.19.8 runtime/engine.py, module_state_dict). Every name of a frozen tensor goes here.
-            frozen = [n for n, p in self.deepspeed.module.named_parameters(remove_duplicate=False)
-                      if not p.requires_grad]
-            deepspeed_state_dict = self.deepspeed.module_state_dict
-
-            def state_dict_without_frozen(*args, exclude_frozen_parameters: bool = False, **kwargs) -> dict:
-                sd = deepspeed_state_dict(*args, exclude_frozen_parameters=exclude_frozen_parameters, **kwargs)
-                for name in frozen if exclude_frozen_parameters else ():
-                    sd.pop(name, None)
-                return sd
-
-            self.deepspeed.module_state_dict = state_dict_without_frozen
+            lora.save_without_frozen(self.deepspeed)
         self._stage0_norm: float | None = None
         self.device = self.deepspeed.device  # micro-batches go here (cuda:LOCAL_RANK on GPU, cpu on CPU)
         self.reference = None
@@ -324,12 +317,12 @@ class Actor:
 
         groups: dict[str, list[tuple[str | None, torch.nn.Parameter, torch.nn.Module | None]]] = {}
         owner: dict[int, str] = {}  # a tied parameter (lm_head = embed_tokens) goes with its first name
-        for own, hf, p, lora in self._push_plan():
+        for own, hf, p, layer in self._push_plan():
             # a LoRA layer's adapters group with its base weight: keyed by the layer's name as if it were plain
             parts = (hf or own.partition(".lora_")[0] + ".weight").split(".")
             cut = next((i + 2 for i, x in enumerate(parts) if x == "layers" and i + 1 < len(parts)), len(parts) - 1)
             key = owner.setdefault(id(p), ".".join(parts[:cut]))
-            groups.setdefault(key, []).append((hf, p, lora))
+            groups.setdefault(key, []).append((hf, p, layer))
         buckets: list[list[tuple[str | None, torch.nn.Parameter, torch.nn.Module | None]]] = [[]]
         size = 0
         for members in groups.values():
@@ -343,98 +336,6 @@ class Actor:
             unique = list({id(p): p for _, p, _ in bucket}.values())
             with deepspeed.zero.GatheredParameters(unique, modifier_rank=None,
                                                    enabled=self.zero_stage == 3):
-                for name, p, lora in bucket:
+                for name, p, layer in bucket:
                     if name is not None:
-                        yield name, p.data if lora is None else merged_weight(lora)
-
-
-def with_lora(model: torch.nn.Module, lora) -> torch.nn.Module:
-    """`model` with PEFT LoRA adapters on `lora.target_modules` (model.lora), everything else frozen. Returns the
-    Hugging Face model itself, its targeted linear layers replaced in place by PEFT's (the PeftModel wrapper is not
-    needed: the forward, names and export all go through the HF model). Only linear layers are accepted: the push
-    merges B @ A into a weight, which is what a LoRA linear layer adds."""
-    from peft import LoraConfig, get_peft_model
-    from peft.tuners.lora import Linear as LoraLinear
-
-    peft_model = get_peft_model(model, LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                                  target_modules=list(lora.target_modules), bias="none"))
-    model = peft_model.base_model.model
-    adapted = [n for n, m in model.named_modules() if hasattr(m, "lora_A")]
-    if odd := [n for n in adapted if not isinstance(model.get_submodule(n), LoraLinear)]:
-        raise ConfigError(f"model.lora.target_modules names layers that are not linear: {odd[:3]}; LoRA here adapts "
-                         "linear layers only")
-    if hasattr(model.get_output_embeddings(), "lora_A") and model.config.get_text_config().tie_word_embeddings:
-        # merged, the head would no longer equal the embedding it is tied to, and the rollout engine keeps one
-        raise ConfigError("model.lora.target_modules adapts the output head, which this model ties to its input "
-                         "embedding: leave it out")
-    if model.dtype != torch.float32:
-        compute_with_merged_weights(model)
-    return model
-
-
-def merged_weight(layer: torch.nn.Module) -> Tensor:
-    """A PEFT LoRA linear layer's weight with its adapter folded in: W + scale * B @ A (PEFT's own merge, computed
-    in fp32 and cast to W's dtype). What the rollout engine gets, and in bf16 also what the trainer computes with
-    (compute_with_merged_weights). The layer's parameters must be gathered (ZeRO-3)."""
-    w = layer.base_layer.weight
-    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
-    delta = (b.float() @ a.float()) * layer.scaling["default"]
-    return (w.float() + delta).to(w.dtype)
-
-
-def compute_with_merged_weights(model: torch.nn.Module) -> None:
-    """Make every LoRA layer of `model` compute with merged_weight, the very tensor the push sends, instead of PEFT's
-    base(x) + scale * B(A(x)).
-
-    Why: in bf16 the two round in different places (PEFT rounds Wx, the adapter's output and their sum; the merge
-    rounds W + scale * B @ A once), so no merged weight equals PEFT's forward and the sampler would compute another
-    policy than the trainer. Both drop an adapter update below about half a bf16 step, each in its own way (measured
-    on tiny-qwen2: PEFT keeps no more of a small update than the merge). With this the trainer's policy is the
-    rollout engine's, up to kernels, as in full bf16 fine-tuning, where the bf16 weights also lag the fp32 master copy.
-    The gradient is LoRA's, taken at the merged weight (the rounding passed straight through); in fp32 the merge is
-    exact to ~1e-7 and PEFT's forward is kept.
-
-    Under ZeRO-3 the layer's forward no longer calls the modules that own its base weight and adapters, so they are
-    registered as the layer's external parameters: DeepSpeed gathers them when the layer is called and again for its
-    backward, where W' is recomputed (DeepSpeed would also register them on their first access in a forward; this
-    does not rely on it). Not a z3 leaf module: DeepSpeed reduces a leaf's gradients once per call, and a forward that
-    shares prompts calls every layer twice, which its gradient reduction refuses (measured: an assertion in stage3.py
-    on the first backward of tiny_cpu in bf16 on 2 ranks)."""
-    import deepspeed
-    from peft.tuners.lora import Linear as LoraLinear
-
-    for layer in [m for m in model.modules() if isinstance(m, LoraLinear)]:
-        layer.forward = types.MethodType(_merged_forward, layer)
-        for p in (layer.base_layer.weight, layer.base_layer.bias, layer.lora_A["default"].weight,
-                  layer.lora_B["default"].weight):
-            if p is not None:
-                deepspeed.zero.register_external_parameter(layer, p)
-
-
-def _merged_forward(layer: torch.nn.Module, x: Tensor, *args, **kwargs) -> Tensor:
-    return _MergedLoraLinear.apply(x, layer.lora_A["default"].weight, layer.lora_B["default"].weight, layer)
-
-
-class _MergedLoraLinear(torch.autograd.Function):
-    """y = x W'^T + bias with W' = merged_weight(layer); gradients to x, A and B (the base is frozen).
-
-    W' is recomputed in backward rather than saved: saved, every adapted layer would hold a full copy of its weight
-    from forward to backward, which under ZeRO-3 undoes the partitioning. The adapters' gradients are LoRA's
-    low-rank products, scale * g^T (x A^T) and scale * (g B)^T x, never the full dL/dW' (one weight-sized GEMM more).
-    """
-
-    @staticmethod
-    def forward(ctx, x: Tensor, a: Tensor, b: Tensor, layer: torch.nn.Module) -> Tensor:
-        ctx.layer = layer
-        ctx.save_for_backward(x, a, b)
-        return torch.nn.functional.linear(x, merged_weight(layer), layer.base_layer.bias)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        x, a, b = ctx.saved_tensors
-        scale = ctx.layer.scaling["default"]
-        g, xs = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1]).to(grad.dtype)
-        grad_x = grad @ merged_weight(ctx.layer).to(grad.dtype) if ctx.needs_input_grad[0] else None
-        grad_a = ((g @ b.to(g.dtype)).T @ xs * scale).to(a.dtype) if ctx.needs_input_grad[1] else None
-        grad_b = (g.T @ (xs @ a.to(g.dtype).T) * scale).to(b.dtype) if ctx.needs_input_grad[2] else None
-        return grad_x, grad_a, grad_b, None
+                        yield name, p.data if layer is None else lora.merged_weight(layer)

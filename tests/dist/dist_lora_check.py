@@ -13,7 +13,8 @@ from result import write_result
 from gapo.configfile import resolve
 from gapo.distributed import init_distributed, leave_distributed
 from gapo.models import resolve_model
-from gapo.trainer.actor import Actor, with_lora
+from gapo.trainer.actor import Actor
+from gapo.trainer.lora import with_lora
 from gapo.trainer.logprobs import MicroBatch, response_logprobs
 
 
