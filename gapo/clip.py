@@ -95,3 +95,11 @@ def register(rule: ClipRule) -> None:
     if rule.upper_field not in UPPER_FIELDS:
         raise ValueError(f"clip rule {rule.name!r}: upper_field must be eps_hi or eps_hi_max, not {rule.upper_field!r}")
     RULES[rule.name] = rule
+
+
+def fmt_eps(x: float) -> str:
+    """Clip widths the way the paper writes them: 3e-3, 5.25e-3, 7e-5, but 0.2 and 0.28 as decimals."""
+    if x == 0 or abs(x) >= 0.01:
+        return f"{x:g}"
+    mant, exp = f"{x:.4e}".split("e")
+    return f"{mant.rstrip('0').rstrip('.')}e{int(exp)}"

@@ -18,9 +18,10 @@ from typing import Any, get_args
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from gapo.clip import RULES, UPPER_FIELDS
-from gapo.config import CONFIGS_DIR, DEFAULT_CLIP_WIDTHS, PRESET_SWITCHES, PRESETS, Config, fmt_eps
+from gapo.clip import RULES, UPPER_FIELDS, fmt_eps
+from gapo.config import CONFIGS_DIR, Config
 from gapo.errors import ConfigError
+from gapo.presets import PRESET_SWITCHES, PRESETS, preset_switches
 from gapo.rundir import run_of
 
 log = logging.getLogger("gapo.config")
@@ -147,7 +148,7 @@ def resolve(raw: dict | None = None, overrides: list[str] | tuple[str, ...] = ()
             log.info("algorithm.name=%s on the command line: not using the config file's %s (they set up %s)",
                      name, ", ".join(f"algorithm.{k}" for k in dropped), file_algo.get("name", "gapo"))
         algo = {k: v for k, v in algo.items() if k not in dropped}
-    merged = {**_preset_switches(name, algo), **{k: v for k, v in algo.items() if v is not None}}
+    merged = {**preset_switches(name, algo), **{k: v for k, v in algo.items() if v is not None}}
     # Configs written before each rule had its own shape carry both upper fields, always equal: keep the rule's.
     own = RULES[merged["clip"]].upper_field if merged.get("clip") in RULES else UPPER_FIELDS[0]
     other = UPPER_FIELDS[1 - UPPER_FIELDS.index(own)]
@@ -190,25 +191,6 @@ def _upgrade(tree: dict) -> None:
     if isinstance(rollout, dict) and "enforce_eager" in rollout:  # before rollout.compile
         eager = rollout.pop("enforce_eager")
         rollout.setdefault("compile", "eager" if eager else "auto")
-
-
-def _preset_switches(name: str, algo: dict) -> dict[str, Any]:
-    """The preset's switches, its clip bounds taken from the config's widths for the preset's IS level; a
-    symmetric preset's upper bound follows an explicit eps_lo."""
-    preset = dict(PRESETS[name])
-    shape = preset.pop("shape", None)
-    if shape is None:  # CISPO: weight bounds of its own
-        return preset
-    widths = algo.get("clip_widths")
-    widths = {**DEFAULT_CLIP_WIDTHS, **(widths if isinstance(widths, dict) else {})}
-    pair = widths.get(preset["is_level"])
-    if not (isinstance(pair, list | tuple) and len(pair) == 2 and all(isinstance(x, int | float) for x in pair)):
-        raise ConfigError(f"algorithm.clip_widths.{preset['is_level']}: expected [eps_lo, eps_hi_max], got {pair!r}")
-    lo, hi = float(pair[0]), float(pair[1])
-    if RULES[preset["clip"]].upper_field == "eps_hi_max":  # a rule whose widest upper width is eps_hi_max (GAPO)
-        return {**preset, "eps_lo": lo, "eps_hi_max": hi}
-    own_lo = algo.get("eps_lo")
-    return {**preset, "eps_lo": lo, "eps_hi": (lo if own_lo is None else own_lo) if shape == "sym" else hi}
 
 
 def _merge(base: dict, top: dict) -> dict:

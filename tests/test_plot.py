@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gapo.config import fmt_eps
+from gapo.clip import fmt_eps
 from gapo.study.figures import PlotError, clip_totals, load_run, parse_steps
 from gapo.study.plot import build_figures, main
 

@@ -25,10 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gapo import rundir
-from gapo.clip import RULES
-from gapo.config import PRESETS, AlgorithmConfig, fmt_eps
+from gapo.clip import RULES, fmt_eps
+from gapo.config import AlgorithmConfig
 from gapo.configfile import load_plugins, read_yaml, resolve
 from gapo.errors import ConfigError, Exit
+from gapo.presets import PRESETS
 from gapo.study.figures import PlotError, algorithm_of, md_cell
 
 LEGACY_ON_POLICY = 1e-4  # |s - 1| below this counts as on-policy in logs without the off_policy flag

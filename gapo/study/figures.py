@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -230,6 +232,17 @@ def default_label(run_dir: Path, cfg: dict) -> str:
     algo = run_algorithm(cfg).get("name")
     detail = " ".join(s for s in (algo, clip_range(cfg)) if s)
     return f"{name} ({detail})" if detail else str(name)
+
+
+def bench_order(names: Iterable[str]) -> list[str]:
+    """Benchmarks alphabetically, their mean last: the order of every table's and figure's benchmark columns."""
+    return sorted(names, key=lambda b: (b == "mean", b))
+
+
+def benchmarks(runs: list[Run], metric: str) -> list[str]:
+    """The benchmarks some run validated with `metric` (logged as val/<benchmark>/<metric>), in bench_order."""
+    key = re.compile(rf"^val/(.+)/{re.escape(metric)}$")
+    return bench_order({m.group(1) for r in runs for k in r.series if (m := key.match(k))})
 
 
 def moving_average(values: np.ndarray, n: int) -> np.ndarray:

@@ -34,6 +34,7 @@ from gapo.study.figures import (
     Run,
     Window,
     add_figure_options,
+    benchmarks,
     clip_totals,
     figure_options,
     finish,
@@ -48,7 +49,6 @@ from gapo.study.figures import (
 from gapo.study.pages import write_rollout_pages
 
 _VAL_MEAN_PASS = re.compile(r"^val/mean/pass@(\d+)$")
-_VAL_COVERAGE = re.compile(r"^val/(.+)/coverage$")
 
 
 def warn_pre_split(runs: list[Run]) -> None:
@@ -198,14 +198,9 @@ def fig_val_pass(runs: list[Run]) -> Figure | None:
     return finish(fig, runs, "Validation pass@1 and pass@k (paper Fig. 4)")
 
 
-def coverage_benchmarks(runs: list[Run]) -> list[str]:
-    names = {m.group(1) for r in runs for k in r.series if (m := _VAL_COVERAGE.match(k))}
-    return sorted(names, key=lambda b: (b == "mean", b))
-
-
 def fig_coverage(runs: list[Run]) -> Figure | None:
     """Fig. 8: one panel per benchmark, since coverage counts problems and benchmarks differ in size."""
-    benches = coverage_benchmarks(runs)
+    benches = benchmarks(runs, "coverage")
     if not benches:
         return None
     fig, axes = grid(len(benches), 3, (4.6, 3.4))

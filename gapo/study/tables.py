@@ -30,7 +30,8 @@ from gapo import rundir
 from gapo.configfile import load_config
 from gapo.study.figures import load_run, md_cell, run_style
 from gapo.study.manifest import Job, Manifest, base_results, jobs
-from gapo.study.seeds import build_figures, difference_cell
+from gapo.study.seed_figures import build_figures
+from gapo.study.seeds import difference_cell
 from gapo.study.stats import Estimate, ProportionEstimate, ci_half_width
 
 IN_DOMAIN_MEAN = "mean"  # summary()'s average over the benchmarks other than IFEval
