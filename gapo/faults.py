@@ -4,7 +4,7 @@ purpose, so that a test can watch the run recover (or stop) the way a real failu
 An environment variable rather than a test double, because the faults must fire inside the gapo-train processes
 that the end-to-end tests start, under torchrun, at a given step or on a given rank: a monkeypatch in the test's
 own process reaches none of them. This one function is the only reader, so that the faults in use are found by
-searching for `requested(`. (A fault that can be injected from the test's side instead is: tests/dist/dist_sync_check.py
+searching for `injected(`. (A fault that can be injected from the test's side instead is: tests/dist/dist_sync_check.py
 patches the trainer inside each rank it starts, with no switch in gapo.)
 
     score_raise:<problem uid>      gapo.reward.registry: scoring a batch holding that problem raises
@@ -20,7 +20,7 @@ import os
 VARIABLE = "GAPO_FAULT"
 
 
-def requested(name: str) -> str | None:
+def injected(name: str) -> str | None:
     """The argument of fault `name` when GAPO_FAULT asks for it (`name:argument`), else None."""
     got, colon, argument = os.environ.get(VARIABLE, "").partition(":")
     return argument if colon and got == name else None

@@ -177,7 +177,7 @@ def score_groups(kind: str, groups: list[list[str]], problems: list[Problem],
 
 def _score(row: RewardKind, groups: list[list[str]], problems: list[Problem],
            cfg: RewardConfig) -> list[list[RewardResult]]:
-    victim = faults.requested("score_raise")
+    victim = faults.injected("score_raise")
     if victim is not None and any(p.uid == victim for p in problems):
         raise RuntimeError(f"injected rewarder failure (score_raise:{victim})")
     return row.score(groups, problems, cfg)

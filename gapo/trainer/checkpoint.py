@@ -39,7 +39,7 @@ from gapo import rundir
 from gapo.config import Config, ConfigError
 from gapo.configfile import dump_config, read_yaml, resolve
 from gapo.distributed import gather, rank0_decides
-from gapo.faults import requested
+from gapo.faults import injected
 from gapo.trainer.reshard import RESHARD, reshard
 
 log = logging.getLogger("gapo.checkpoint")
@@ -124,9 +124,9 @@ def save(actor, tokenizer, cfg: Config, state: TrainerState, run_dir: Path, in_f
         _abandon(tmp, rank)
         raise CheckpointError(failure)
     try:
-        if requested("enospc") == str(state.step) and rank == dist.get_world_size() - 1:  # (gapo.faults)
+        if injected("enospc") == str(state.step) and rank == dist.get_world_size() - 1:  # (gapo.faults)
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp))
-        if requested("fill") == str(state.step) and rank == 0:
+        if injected("fill") == str(state.step) and rank == 0:
             _fill(root)  # the disk fills up after the room check: the real writers below meet a real ENOSPC
         # With LoRA the frozen base weights are left out (they are model.path's): adapters and optimizer state only.
         actor.deepspeed.save_checkpoint(str(tmp / "ds"), tag="state", save_latest=False,
@@ -155,7 +155,7 @@ def save(actor, tokenizer, cfg: Config, state: TrainerState, run_dir: Path, in_f
                               f"it needs about {need / 2**30:.2f} GiB, {shutil.disk_usage(root).free / 2**30:.2f} GiB "
                               "are free. The partial checkpoint was removed; the earlier ones are intact")
     if rank == 0:
-        if requested("kill_before_rename") == str(state.step):  # (gapo.faults: the crash tests)
+        if injected("kill_before_rename") == str(state.step):  # (gapo.faults: the crash tests)
             os.kill(os.getpid(), 9)
         if final.exists():
             shutil.rmtree(final)

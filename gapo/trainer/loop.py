@@ -33,7 +33,7 @@ from gapo.config import Config, ConfigError
 from gapo.data import Problem, Sampler, stop_token_ids
 from gapo.distributed import Placement, gather, init_distributed
 from gapo.evaluation import Bench, context_length, evaluate, load_benchmark, summary, write_results
-from gapo.faults import requested
+from gapo.faults import injected
 from gapo.memory import plan_text
 from gapo.models import check_context_budget, resolve_model
 from gapo.proc import stat_fields
@@ -272,7 +272,7 @@ def steps(s: Setup, rank: int, world: int) -> Path:
         step_tic = time.perf_counter()
         # This step redone on resume, if it is abandoned: the sampler, RNG and requests as the previous step left them.
         start = preempt.StepStart(step, s.sampler.state_dict(), checkpoint.rng_state(), rollouts.requested(step))
-        if requested("signal") == str(step) and rank == 0:  # (gapo.faults: the preemption tests)
+        if injected("signal") == str(step) and rank == 0:  # (gapo.faults: the preemption tests)
             os.kill(os.getpid(), signal.SIGTERM)
         # --- 1. prompts -> rollouts: this step's, requested now or up to rollout.max_staleness steps ago (split) -----
         req = rollouts.take(step)
