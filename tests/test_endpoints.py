@@ -149,7 +149,7 @@ def test_the_report_reads_each_endpoint_off_the_runs(tmp_path):
     # the plan's family: the control's E1, the first label's E2 and E3 slope against it, Holm over those three
     e1_control = ep.across_seeds({s: ep.slope(dec["GSPO", s].adv, np.log(dec["GSPO", s].ratio)) for s in (0, 1, 2)})
     family = holm([e1_control.p_t, e2.p_t, e3.p_t])
-    planned = "\n".join(ep.report(groups, {"GSPO": 0.003}, control="GSPO"))
+    planned = "\n".join(ep.report(groups, {"GSPO": 0.003}, control="GSPO")).split("### The primary family")[0]
     rows = {line.split(" | ")[0] + " | " + line.split(" | ")[1]: line for line in planned.splitlines()
             if line.startswith("| E")}
     assert rows["| E1 log-ratio slope on (k-c)/k | GSPO"].endswith(f"| {family[0]:.3g} |")
@@ -162,7 +162,50 @@ def test_the_report_reads_each_endpoint_off_the_runs(tmp_path):
     assert rows["| E1 P(clip) at 1 + 0.003 slope (secondary) | GSPO"].startswith(
         f"| E1 P(clip) at 1 + 0.003 slope (secondary) | GSPO | {clip_at.mean:+.4g} [")
     assert "| E1 P(clip)" not in "\n".join(ep.report(groups, {"GSPO": 0.003}))  # only the control's, with --control
+    # the family read by the plan's rules, in a table of its own: each row is `reading` of that row's numbers
+    read = "\n".join(ep.report(groups, {"GSPO": 0.003}, control="GSPO", e1_margin=0.0137))
+    assert "### The primary family, read by the plan's rules" in read
+    for name, a, p in (("E1", e1_control, family[0]), ("E2", e2, family[1]), ("E3", e3, family[2])):
+        assert f"| {a.mean:+.4g} [{a.lo:+.4g}, {a.hi:+.4g}] | {p:.3g} | {ep.reading(name, a, p, 0.0137)} |" in read
+    assert "read by the plan's rules" not in "\n".join(ep.report(groups, {"GSPO": 0.003}))  # no family, no reading
     (groups["GSPO"][2] / "rollouts.jsonl").unlink()  # a run without its rollouts: E1 and E3 say so, E2 stays
     text = "\n".join(ep.report(groups, {"GSPO": 0.003}))
     assert "E1 and E3 need every run's rollouts.jsonl" in text and "| E2 mean is_adv_corr, Δ |" in text
     assert "E1 log-ratio slope" not in text
+
+
+def _seeds(mean: float, lo: float, hi: float, p: float = 0.5) -> ep.AcrossSeeds:
+    return ep.AcrossSeeds(seeds=list(range(16)), values=np.zeros(16), mean=mean, lo=lo, hi=hi, p_t=p, p_flip=p)
+
+
+@pytest.mark.parametrize("endpoint, a, p_holm, expected", [
+    # for: Holm p < 0.05 with the predicted sign (E1, E2 positive; E3 negative)
+    ("E2", _seeds(0.12, 0.05, 0.19), 0.01, "**for** the claim"),
+    ("E3", _seeds(-0.3, -0.5, -0.1), 0.01, "**for** the claim"),
+    # significant with the wrong sign is not "for": the interval then lies on the other side, against
+    ("E2", _seeds(-0.12, -0.19, -0.05), 0.01, "**against** the claim (the interval wholly on the other side"),
+    ("E3", _seeds(0.3, 0.1, 0.5), 0.2, "**against** the claim (the interval wholly on the other side"),
+    # E1 only: a positive interval wholly below GAPO's bound gradient counts against the premise as GAPO uses it,
+    # and with Holm p < 0.05 it is both
+    ("E1", _seeds(0.004, 0.001, 0.007), 0.01, "**for** the claim (Holm p < 0.05, the predicted sign); **against** "
+                                              "the premise as GAPO uses it (the interval wholly below GAPO's bound "
+                                              "gradient 0.0137)"),
+    ("E1", _seeds(0.004, -0.002, 0.010), 0.3, "**against** the premise as GAPO uses it"),
+    ("E2", _seeds(0.004, -0.002, 0.010), 0.3, "inconclusive at this power: the interval still holds effects from "
+                                              "-0.002 to +0.01 (predicted: positive)"),
+    # an interval reaching past the margin is no evidence against: inconclusive, never "does not reproduce"
+    ("E1", _seeds(0.01, -0.01, 0.03), 0.4, "inconclusive at this power"),
+    ("E1", _seeds(float("nan"), float("nan"), float("nan"), float("nan")), float("nan"), "not estimable"),
+])
+def test_the_plan_reads_a_primary_endpoint_by_its_own_rules(endpoint, a, p_holm, expected):
+    got = ep.reading(endpoint, a, p_holm, e1_margin=0.0137)
+    assert got.startswith(expected), got
+
+
+def test_e1s_margin_is_gapos_bound_gradient_per_unit_of_advantage():
+    """The plan's 0.014: eps_hi(c) rises 0.012 from c = 8 to c = 1, over advantages 0 .. 7/8."""
+    from gapo.configfile import resolve
+
+    gapo = resolve({"algorithm": {"name": "gapo", "clip_widths": {"sequence": [0.003, 0.015]}}}).algorithm
+    assert ep.bound_gradient(gapo, 8) == pytest.approx(0.012 * 8 / 7) and round(ep.bound_gradient(gapo, 8), 3) == 0.014
+    assert ep.bound_gradient(resolve({"algorithm": {"name": "gspo"}}).algorithm, 8) is None  # a constant bound

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from gapo.config import AlgorithmConfig
 from gapo.study.band import LEGACY_ON_POLICY, read_rollouts
 from gapo.study.figures import PlotError
 from gapo.study.stats import holm, paired_t, sign_flip_p
@@ -184,13 +185,51 @@ def _cell(a: AcrossSeeds) -> str:
             f"{a.p_t:.3g} | {a.p_flip:.3g}")
 
 
-def report(groups: dict[str, dict[int, Path]], fixed_eps_hi: dict[str, float], control: str | None = None) -> list[str]:
+def bound_gradient(a: AlgorithmConfig, k: int) -> float | None:
+    """How fast a rule's upper width grows per unit of advantage (k - c)/k, from c = k (advantage 0) to c = 1
+    (advantage (k - 1)/k): GAPO's eps_hi(c) climbs from eps_lo to eps_hi_max. None for a rule whose bound is
+    constant. E1's margin in the plan (0.0137, written 0.014, for 0.003/0.015 at k = 8)."""
+    if a.rule.constant or k < 2:
+        return None
+    return float(a.rule.eps_hi(1, k, a) - a.rule.eps_hi(k, k, a)) * k / (k - 1)
+
+
+# The plan's predicted sign of each primary endpoint (experiments/demo_mechanism_plan.md, "Endpoints").
+PREDICTED = {"E1": +1, "E2": +1, "E3": -1}
+
+
+def reading(endpoint: str, a: AcrossSeeds, p_holm: float, e1_margin: float | None = None) -> str:
+    """A primary endpoint read by the plan's rules ("How the result will be read"), so that the report states what
+    the plan says and nothing chosen after the data: **for** the claim when Holm's p < 0.05 with the predicted sign;
+    **against** when the 95 % interval lies wholly on the other side of zero, and for E1 also when it lies wholly
+    below `e1_margin`, GAPO's own bound gradient; otherwise inconclusive at this power, with the effects the
+    interval still holds. E1 can be both: a positive slope smaller than GAPO's bound assumes."""
+    sign = PREDICTED[endpoint]
+    if not a.seeds or not math.isfinite(a.p_t) or not math.isfinite(p_holm):
+        return "not estimable (no p): neither for nor against"
+    found = []
+    if p_holm < 0.05 and sign * a.mean > 0:
+        found.append("**for** the claim (Holm p < 0.05, the predicted sign)")
+    if (a.hi < 0) if sign > 0 else (a.lo > 0):
+        found.append("**against** the claim (the interval wholly on the other side of zero)")
+    elif endpoint == "E1" and e1_margin is not None and a.hi < e1_margin:
+        found.append(f"**against** the premise as GAPO uses it (the interval wholly below GAPO's bound gradient "
+                     f"{e1_margin:.4g})")
+    if found:
+        return "; ".join(found)
+    return (f"inconclusive at this power: the interval still holds effects from {a.lo:+.4g} to {a.hi:+.4g} "
+            f"(predicted: {'positive' if sign > 0 else 'negative'})")
+
+
+def report(groups: dict[str, dict[int, Path]], fixed_eps_hi: dict[str, float], control: str | None = None,
+           e1_margin: float | None = None) -> list[str]:
     """The endpoints as the plan reads them, for `gapo-compare seeds`: `groups` maps a label to its runs by trainer.seed
     (the method first, then the rules it is compared with); `fixed_eps_hi` the upper bound of each fixed rule's label.
     E1 per label; E2 and E3 the first label against each other, paired by seed; each p unadjusted, with Holm over
     this table's rows beside it.
     `control`: the plan's control label; its E1 and the first label's E2 and E3 (the P(clip) slope) against it are
-    the primary family, Holm-adjusted over those three in a column of their own (the plan's test)."""
+    the primary family, Holm-adjusted over those three in a column of their own (the plan's test), and read by the
+    plan's rules in a table of their own (`reading`; `e1_margin`: GAPO's bound gradient per unit of advantage)."""
     labels = list(groups)
     lines = ["", "## Endpoints (experiments/demo_mechanism_plan.md; gapo/study/endpoints.py)", "",
              "Per run, then across seeds: mean [95 % t interval], the seeds with a value (trainer.seed), the "
@@ -237,6 +276,13 @@ def report(groups: dict[str, dict[int, Path]], fixed_eps_hi: dict[str, float], c
                         "its column stays empty.")
     for i, ((name, label, a), p) in enumerate(zip(rows, adjusted, strict=True)):
         lines.append(f"| {name} | {label} | {_cell(a)} | {p:.3g} | {f'{family[i]:.3g}' if i in family else ''} |")
+    if family:
+        lines += ["", "### The primary family, read by the plan's rules", "",
+                  "| endpoint | label(s) | mean [95 % CI] | p (Holm, the family) | reading |", "|---|---|---|---|---|"]
+        for i in primary:
+            name, label, a = rows[i]
+            lines.append(f"| {name} | {label} | {a.mean:+.4g} [{a.lo:+.4g}, {a.hi:+.4g}] | {family[i]:.3g} | "
+                         f"{reading(name.split()[0], a, family[i], e1_margin)} |")
     if dec is not None and len(labels) > 1:
         lines += ["", "E3's model: P(clip) of a correct decision ~ rule × advantage, logistic GEE over every seed's "
                   "decisions, seeds as clusters, bias-reduced sandwich; the term is the log odds ratio per unit of "

@@ -434,8 +434,10 @@ def write_report(out: Path, groups: dict[str, list[Run]], window: Window = ALL_S
     algos = {label: algorithm_of(runs[0].config) for label, runs in groups.items() if runs}
     fixed = {label: float(a.eps_hi) for label, a in algos.items()
              if a is not None and a.rule.constant and not a.rule.weight_clip}
+    first = algos.get(next(iter(groups), ""))
+    k = max(int(r.config.get("rollout", {}).get("group_size", 8)) for runs in groups.values() for r in runs)
     lines += endpoints.report({label: {run_seed(r): r.path for r in runs} for label, runs in groups.items()}, fixed,
-                              control)
+                              control, endpoints.bound_gradient(first, k) if first is not None else None)
     lines += interaction_table(groups, window)
     lines += pooled_clip_table(groups, window)
     if notes:
