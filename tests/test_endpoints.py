@@ -172,6 +172,13 @@ def test_the_report_reads_each_endpoint_off_the_runs(tmp_path):
     text = "\n".join(ep.report(groups, {"GSPO": 0.003}))
     assert "E1 and E3 need every run's rollouts.jsonl" in text and "| E2 mean is_adv_corr, Δ |" in text
     assert "E1 log-ratio slope" not in text
+    # with --control the family is still read: the missing E1 and E3 count as p = 1 in Holm and read not estimable
+    text = "\n".join(ep.report(groups, {"GSPO": 0.003}, control="GSPO", e1_margin=0.014))
+    assert "The plan's primary family is incomplete here (E1, E3 without runs or without a p)" in text
+    p_e2 = holm([e2.p_t, 1.0, 1.0])[0]
+    assert f"| {e2.mean:+.4g} [{e2.lo:+.4g}, {e2.hi:+.4g}] | {p_e2:.3g} | {ep.reading('E2', e2, p_e2)} |" in text
+    for e in ("E1", "E3"):
+        assert f"| {e} | | | | not estimable (no row: its runs or their rollouts are missing) |" in text
 
 
 def _seeds(mean: float, lo: float, hi: float, p: float = 0.5) -> ep.AcrossSeeds:

@@ -354,3 +354,16 @@ def test_rollout_transport_names_a_row_of_the_transport_table(capsys):
     assert methods == {"send", "recv", "send_weights", "recv_weights", "release"}
     for cls in TRANSPORTS.values():
         assert all(callable(getattr(cls, m, None)) for m in methods), cls
+
+
+def test_a_split_run_over_another_transport_resumes_colocated_or_over_gloo():
+    """The transport carries rollouts and weights, no training state: a checkpoint of a run over the plugin's
+    transport resumes colocated (where there is no transport) or split over gloo."""
+    from types import SimpleNamespace
+
+    from gapo.trainer.checkpoint import check_compatible
+
+    tiny, plugin = ROOT / "configs" / "tiny_cpu.yaml", Path(__file__).parent / "fixtures" / "store_transport.py"
+    saved = load_config(tiny, [*SPLIT, f"plugins=[{plugin}]", "rollout.transport=store"])
+    for now in ([f"plugins=[{plugin}]"], [*SPLIT, f"plugins=[{plugin}]"]):
+        assert "rollout.transport" in check_compatible(saved, load_config(tiny, now), SimpleNamespace(world_size=2), 2)

@@ -254,8 +254,9 @@ def test_a_schedulers_block_is_its_own_and_gapo_sweep_refuses_one_no_scheduler_r
 
     good = (EXPERIMENTS_DIR / "tiny_cpu.yaml").read_text()
     f = tmp_path / "m.yaml"
-    for old, new, needle in [("slurm: {", "slrum: {", "slrum: not a manifest field nor a scheduler's block "
-                                                      "(schedulers: slurm)"),
+    for old, new, needle in [("slurm: {", "slrum: {", "slrum: not a manifest field (name, title, produces, config, "
+                                                      "nproc, nodes, seeds, output_root, runs, base, eval, compare) "
+                                                      "nor a scheduler's block (slurm)"),
                              ("cpus_per_task: 2}", "cpus_per_tasks: 2}", "slurm.cpus_per_tasks: Extra inputs"),
                              ("cpus_per_task: 2}", "cpus_per_task: 0}", "slurm.cpus_per_task: Input should be "
                                                                         "greater than or equal to 1")]:
@@ -269,6 +270,24 @@ def test_a_schedulers_block_is_its_own_and_gapo_sweep_refuses_one_no_scheduler_r
         load_manifest(f)
     assert main(["tiny_cpu", "--print", "--partition", "x"]) == 2
     assert "--partition goes with --slurm" in capsys.readouterr().err
+    # a misspelt field is no scheduler's block: gapo-compare table refuses it too
+    f.write_text(good.replace("compare:", "comparison:"))
+    from gapo.study.compare import main as compare_main
+
+    assert compare_main(["table", str(f)]) == 2
+    assert "comparison: not a manifest field (name, title" in capsys.readouterr().err
+
+
+def test_gapo_sweep_refuses_a_transport_no_row_has(tmp_path, capsys):
+    """config.py cannot read gapo.rollout's transport table: the sweep's check does, as gapo-train's does."""
+    from gapo.study.sweep import main
+
+    f = tmp_path / "m.yaml"
+    f.write_text((EXPERIMENTS_DIR / "tiny_cpu.yaml").read_text().replace(
+        "overrides: [algorithm.name=gspo,", "overrides: [rollout.placement=split, rollout.generator_ranks=1, "
+                                           "rollout.transport=glooo, algorithm.name=gspo,"))
+    assert main([str(f), "--print"]) == 2
+    assert "run gspo seed 0: rollout.transport='glooo': no such transport" in capsys.readouterr().err
 
 
 # tiny_cluster's graph: two runs and a branch of the second, each evaluated after its training.

@@ -9,7 +9,7 @@ ahead of what they receive; the protocol calls `release` where it knows the peer
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import Protocol
 
 import torch
@@ -56,7 +56,7 @@ def _wait(work, peer: int, what: str) -> None:
                        "train.log") from err
 
 
-def transport_named(kind: str) -> Callable[[Placement], Transport]:
+def transport_named(kind: str) -> type[Transport]:
     """rollout.transport's row of TRANSPORTS; a new transport is a class with the five methods above, built from the
     rank's Placement, and a row (here, or `register` in a config's plugin). gapo-train asks before any rank starts
     (config.py reads no module of gapo.rollout); the split loop builds the rank's with it."""
@@ -131,11 +131,12 @@ class GlooBridge:
         self.pending = []
 
 
-TRANSPORTS: dict[str, Callable[[Placement], Transport]] = {"gloo": GlooBridge}
+TRANSPORTS: dict[str, type[Transport]] = {"gloo": GlooBridge}
 
 
-def register(name: str, transport: Callable[[Placement], Transport]) -> None:
-    """Add a transport that `rollout.transport` can then name (a name taken by another transport is refused)."""
+def register(name: str, transport: type[Transport]) -> None:
+    """Add a transport class, built from a rank's Placement, that `rollout.transport` can then name (a name taken by
+    another transport is refused)."""
     if TRANSPORTS.get(name, transport) is not transport:
         raise ValueError(f"transport {name!r} exists already ({', '.join(TRANSPORTS)})")
     missing = [m for m in ("send", "recv", "send_weights", "recv_weights", "release") if not hasattr(transport, m)]

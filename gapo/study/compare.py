@@ -17,6 +17,7 @@ from pathlib import Path
 from gapo.errors import ConfigError, Exit
 from gapo.study import band, seeds, tables
 from gapo.study.manifest import load_manifest
+from gapo.study.sweep import known_blocks
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "band":
         return band.main(args)
     try:
-        path = tables.write(load_manifest(args.manifest), args.output_root, args.out)
+        path = tables.write(known_blocks(load_manifest(args.manifest)), args.output_root, args.out)
     except ConfigError as err:
         print(f"gapo-compare: {err}", file=sys.stderr)
         return Exit.CONFIG

@@ -269,20 +269,34 @@ def report(groups: dict[str, dict[int, Path]], fixed_eps_hi: dict[str, float], c
     primary = [i for i, (name, label, _) in enumerate(rows) if control is not None and (
         (name.startswith("E1 log-ratio") and label == control) or
         (name.startswith(("E2", "E3 P(clip)")) and label == f"{labels[0]} − {control}"))]
-    complete = len(primary) == 3 and all(math.isfinite(rows[i][2].p_t) for i in primary)
-    family = dict(zip(primary, holm([rows[i][2].p_t for i in primary]), strict=True)) if complete else {}
-    if control is not None and not complete:
-        lines.insert(4, "The plan's primary family is incomplete here (a primary row without runs or without a p): "
-                        "its column stays empty.")
+    family: dict[int, float] = {}
+    if control is not None:
+        # Holm over the plan's three. A primary row missing (no runs, no rollouts) or without a p counts as p = 1, which
+        # keeps the family-wise level (conservative), and reads "not estimable"; the others are still read.
+        ps = [rows[i][2].p_t if math.isfinite(rows[i][2].p_t) else 1.0 for i in primary]
+        family = dict(zip(primary, holm(ps + [1.0] * (3 - len(primary)))[:len(primary)], strict=True))
+        found = {rows[i][0].split()[0] for i in primary if math.isfinite(rows[i][2].p_t)}
+        if found != set(PREDICTED):
+            missing = ", ".join(sorted(set(PREDICTED) - found))
+            lines.insert(4, f"The plan's primary family is incomplete here ({missing} without runs or without a p): "
+                            "counted as p = 1 in Holm (conservative), read as not estimable.")
     for i, ((name, label, a), p) in enumerate(zip(rows, adjusted, strict=True)):
-        lines.append(f"| {name} | {label} | {_cell(a)} | {p:.3g} | {f'{family[i]:.3g}' if i in family else ''} |")
-    if family:
-        lines += ["", "### The primary family, read by the plan's rules", "",
+        held = i in family and math.isfinite(a.p_t)
+        lines.append(f"| {name} | {label} | {_cell(a)} | {p:.3g} | {f'{family[i]:.3g}' if held else ''} |")
+    if control is not None:
+        margin = (f"E1's margin, the first label's bound gradient: {e1_margin:.4g} per unit of advantage" if e1_margin
+                  else "E1's margin: none (the first label's bound does not grow with the advantage), so E1 counts "
+                       "against only on the other side of zero")
+        lines += ["", "### The primary family, read by the plan's rules", "", f"{margin}.", "",
                   "| endpoint | label(s) | mean [95 % CI] | p (Holm, the family) | reading |", "|---|---|---|---|---|"]
         for i in primary:
             name, label, a = rows[i]
-            lines.append(f"| {name} | {label} | {a.mean:+.4g} [{a.lo:+.4g}, {a.hi:+.4g}] | {family[i]:.3g} | "
-                         f"{reading(name.split()[0], a, family[i], e1_margin)} |")
+            p = family[i] if math.isfinite(a.p_t) else float("nan")
+            lines.append(f"| {name} | {label} | {a.mean:+.4g} [{a.lo:+.4g}, {a.hi:+.4g}] | {p:.3g} | "
+                         f"{reading(name.split()[0], a, p, e1_margin)} |")
+        present = {rows[i][0].split()[0] for i in primary}
+        lines += [f"| {e} | | | | not estimable (no row: its runs or their rollouts are missing) |"
+                  for e in PREDICTED if e not in present]
     if dec is not None and len(labels) > 1:
         lines += ["", "E3's model: P(clip) of a correct decision ~ rule × advantage, logistic GEE over every seed's "
                   "decisions, seeds as clusters, bias-reduced sandwich; the term is the log odds ratio per unit of "

@@ -236,6 +236,13 @@ def check(m: Manifest, js: list[Job]) -> None:
             cfg = j.resolved()
         except ConfigError as err:
             raise ConfigError(f"run {j.run.name} seed {j.seed}: {err}") from None
+        if cfg.rollout.placement == "split":  # (config.py reads no module of gapo.rollout: its table is checked here)
+            from gapo.rollout.transport import transport_named
+
+            try:
+                transport_named(cfg.rollout.transport)
+            except ConfigError as err:
+                raise ConfigError(f"run {j.run.name} seed {j.seed}: {err}") from None
         final = cfg.trainer.total_steps
         if max(m.eval.steps) > final:
             raise ConfigError(f"eval.steps: {max(m.eval.steps)} is past run {j.run.name}'s trainer.total_steps={final}")

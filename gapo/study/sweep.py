@@ -47,8 +47,9 @@ class Backend:
     """A scheduler gapo-sweep writes the sweep's graph for, as `--NAME [DIR]`. `render(manifest, tasks, out_dir,
     workdir)` writes its files under out_dir (jobs start in workdir) and returns them, the one to run last. Its
     settings are the manifest's `NAME:` block, read by the module as `spec` (`Manifest.block`); `flags` are the
-    spec's fields gapo-sweep also takes as --FLAG; `check(manifest, jobs)` refuses, before anything is printed or
-    run, a sweep the scheduler could not carry out."""
+    spec's fields gapo-sweep also takes as --FLAG (no two schedulers share one); `check(manifest, jobs)` refuses, in
+    every mode (a manifest holds for every scheduler it has a block for), before anything is printed or run, a sweep
+    the scheduler could not carry out."""
 
     render: Callable[[Manifest, list[Task], Path, Path], list[Path]]
     help: str
@@ -62,6 +63,16 @@ BACKENDS = {
     "slurm": Backend(slurm.render, "write SLURM job arrays and submit.sh (with --eval: the evaluation's and "
                                    "submit_eval.sh)", slurm.SlurmSpec, slurm.FLAGS, slurm.check),
 }
+
+
+def known_blocks(m: Manifest) -> Manifest:
+    """`m`, when each of its top-level keys beyond the manifest's fields is a block of a scheduler in BACKENDS (a
+    misspelt field, `comparison:` for `compare:`, would otherwise be read as one and ignored)."""
+    unknown = sorted(set(m.model_extra or {}) - set(BACKENDS))
+    if unknown:
+        raise ConfigError(f"manifest {m.name}: {unknown[0]}: not a manifest field ({', '.join(type(m).model_fields)}) "
+                          f"nor a scheduler's block ({', '.join(BACKENDS)})")
+    return m
 
 
 def finished(j: Job) -> bool:
@@ -154,9 +165,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--list", action="store_true", help="with --eval: print the gapo-eval commands instead")
     p.add_argument("--output-root", help="instead of the manifest's output_root (runs)")
     p.add_argument("--nproc", type=int, help="with --run: ranks per run here (default: the manifest's)")
+    taken: dict[str, str] = {}
     for name, backend in BACKENDS.items():
         group = p.add_argument_group(f"with --{name}: over the manifest's {name}: block")
         for field in backend.flags:
+            if field in taken:
+                raise ValueError(f"gapo-sweep's BACKENDS: --{field.replace('_', '-')} is both {taken[field]}'s and "
+                                 f"{name}'s: a scheduler's flags must be its own")
+            taken[field] = name
             group.add_argument(f"--{field.replace('_', '-')}", metavar="VALUE", dest=f"{name}.{field}")
     argv = sys.argv[1:] if argv is None else list(argv)
     # key.path=value: a config setting for every run (not a DIR of --slurm, which takes an optional value)
@@ -169,11 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"one of --print, {', '.join(f'--{name}' for name in BACKENDS)}, --run, --rehearse, --eval, --budget "
                 "is required")
     try:
-        m = load_manifest(args.manifest)
-        unknown = sorted(set(m.model_extra or {}) - set(BACKENDS))
-        if unknown:
-            raise ConfigError(f"manifest {m.name}: {unknown[0]}: not a manifest field nor a scheduler's block "
-                              f"(schedulers: {', '.join(BACKENDS)})")
+        m = known_blocks(load_manifest(args.manifest))
         given = {name: {f: getattr(args, f"{name}.{f}") for f in b.flags if getattr(args, f"{name}.{f}") is not None}
                  for name, b in BACKENDS.items()}
         for name, values in given.items():

@@ -54,7 +54,7 @@ MAY_CHANGE = ("algorithm.", "trainer.resume_from", "trainer.total_steps", "train
               "rollout.sleep_between_steps", "rollout.verify_push", "rollout.push_tolerance", "rollout.mismatch_alarm",
               # (a checkpoint holding rollouts sampled ahead is refused by gapo.trainer.loop.setup unless split
               # placement on as many training ranks, with the same rollout.max_staleness, resumes it)
-              "rollout.placement", "rollout.generator_ranks", "rollout.max_staleness")
+              "rollout.placement", "rollout.generator_ranks", "rollout.max_staleness", "rollout.transport")
 
 
 @dataclass
