@@ -432,6 +432,34 @@ def test_slurm_script_runs_the_right_command_for_each_task(tmp_path):
     assert r.returncode == 75 and "requeue 78" in (tmp_path / "args.scontrol").read_text()
 
 
+def test_a_task_that_fails_unsaved_says_what_submits_it_and_its_waiters_again(tmp_path):
+    """A training task killed before its ranks could save (exit 137, e.g. scancel --full) is not requeued, and
+    SLURM cancels what waits for it (--kill-on-invalid-dep, in submit.sh); the task's log names the commands that
+    submit it again and, each after its own, every task that waits for it. Those commands, run with a stand-in
+    sbatch, submit exactly that: tiny_cluster's gspo run, its branch after it, and both evaluations after theirs."""
+    m = load_manifest("tiny_cluster")
+    runs, _, _, submit = slurm.render(m, graph(m, jobs(m, tmp_path / "runs")), tmp_path / "slurm", Path.cwd())
+    assert submit.read_text().count("--kill-on-invalid-dep=yes") == 4  # the branch and the three evaluations
+    fake = _fake_slurm(tmp_path)
+    (fake / "sbatch").write_text('#!/bin/bash\nn=$(( $(wc -l < "$RECORD.sbatch" 2>/dev/null || echo 0) + 500 ))\n'
+                                 'echo "$@" >> "$RECORD.sbatch"; echo "$n;cluster"\n')
+    (fake / "sbatch").chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "SLURM_ARRAY_TASK_ID": "1", "SLURM_NNODES": "1",
+           "SLURM_JOB_NODELIST": "node1", "RECORD": str(tmp_path / "args"), "GAPO_PYTHON": str(fake / "python"),
+           "SLURM_JOB_ID": "80", "SLURM_CPUS_PER_TASK": "2", "EXIT": "137"}
+    r = subprocess.run(["bash", str(runs)], env=env, capture_output=True, text=True)
+    assert r.returncode == 137 and "stopped unsaved (exit 137)" in r.stdout, r.stdout + r.stderr
+    assert "requeue" not in (tmp_path / "args.scontrol").read_text()
+    again = r.stdout.split("the tasks that wait for it:\n")[1].split("gapo-sweep: exit")[0]
+    assert subprocess.run(["bash", "-c", f"set -eu\n{again}"], env=env).returncode == 0
+    d = tmp_path / "slurm"
+    assert (tmp_path / "args.sbatch").read_text().splitlines() == [
+        f"--parsable --array=1 {d}/tiny_cluster.runs.sbatch",  # gspo seed 0 (job 500)
+        f"--parsable --array=0 --dependency=afterok:500_1 --kill-on-invalid-dep=yes {d}/tiny_cluster.branches.sbatch",
+        f"--parsable --array=1 --dependency=afterok:500_1 --kill-on-invalid-dep=yes {d}/tiny_cluster.eval.sbatch",
+        f"--parsable --array=2 --dependency=afterok:501_0 --kill-on-invalid-dep=yes {d}/tiny_cluster.eval.sbatch"]
+
+
 def test_a_branch_stopped_before_its_first_save_starts_over_from_its_parent(tmp_path):
     """Requeued with a metrics.jsonl and a half-written checkpoint but no complete checkpoint of its own, the
     branch task clears them and starts from its parent's checkpoint again (gapo-train refuses a directory that

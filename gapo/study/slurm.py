@@ -80,9 +80,14 @@ def render(m: Manifest, tasks: list[Task], out_dir: Path, workdir: Path) -> list
         lines += [f'echo "gapo-sweep: {t.name}: job ${{EVAL}}_{k}"' for k, t in enumerate(evals)]
         return [ev, _write_submit(out_dir / "submit_eval.sh", lines, out_dir)]
 
-    written = [_train_script(m, runs, out_dir / f"{m.name}.runs.sbatch", workdir, "runs")]
+    # each task's array script and index, for the commands that submit a task again after it failed unsaved
+    where = {t.name: (out_dir / f"{m.name}.runs.sbatch", i) for i, t in enumerate(runs)}
+    where |= {t.name: (out_dir / f"{m.name}.branches.sbatch", i) for i, t in enumerate(branches)}
+    where |= {t.name: (out_dir / f"{m.name}.eval.sbatch", i) for i, t in enumerate(evals)}
+    again = {t.name: _submit_again(t, tasks, where) for t in [*runs, *branches]}
+    written = [_train_script(m, runs, out_dir / f"{m.name}.runs.sbatch", workdir, "runs", again)]
     if branches:
-        written.append(_train_script(m, branches, out_dir / f"{m.name}.branches.sbatch", workdir, "branches"))
+        written.append(_train_script(m, branches, out_dir / f"{m.name}.branches.sbatch", workdir, "branches", again))
     written.append(ev)
     job_of = {t.name: f"${{RUNS}}_{i}" for i, t in enumerate(runs)}  # each task's <array job>_<task>
 
@@ -97,14 +102,33 @@ def render(m: Manifest, tasks: list[Task], out_dir: Path, workdir: Path) -> list
     lines += [f'echo "gapo-sweep: {t.name}: job ${{RUNS}}_{i}"' for i, t in enumerate(runs)]
     for i, t in enumerate(branches):
         lines += [f"B{i}=$(submit --array={i} --job-name={m.name}-{t.job.run.name}-seed{t.job.seed} "
-                  f"--dependency=afterok:{after(t)} {shlex.quote(str(written[1]))})",
+                  f"--dependency=afterok:{after(t)} --kill-on-invalid-dep=yes {shlex.quote(str(written[1]))})",
                   f'echo "gapo-sweep: {t.name}: job ${{B{i}}}_{i}, after {after(t)}"']
         job_of[t.name] = f"${{B{i}}}_{i}"
     for k, t in enumerate(evals):
-        wait = f" --dependency=afterok:{after(t)}" if t.depends_on else ""
+        wait = f" --dependency=afterok:{after(t)} --kill-on-invalid-dep=yes" if t.depends_on else ""
         lines += [f"E{k}=$(submit --array={k}{wait} {shlex.quote(str(ev))})",
                   f'echo "gapo-sweep: {t.name}: job ${{E{k}}}_{k}"']
     return [*written, _write_submit(out_dir / "submit.sh", lines, out_dir)]
+
+
+def _submit_again(task: Task, tasks: list[Task], where: dict[str, tuple[Path, int]]) -> str:
+    """The commands that submit `task` again and, each after what it waits for, every task that waits for it (a
+    training task that failed unsaved is not requeued, and SLURM cancels those: --kill-on-invalid-dep). A task that
+    also waits for one not submitted again waits only for the ones that are."""
+    again, lines = [task.name], []
+    for t in tasks:  # the graph lists a task after the tasks it waits for
+        if t.name not in again and any(d in again for d in t.depends_on):
+            again.append(t.name)
+    job = {name: f"J{n}" for n, name in enumerate(again)}
+    for name in again:
+        t = next(x for x in tasks if x.name == name)
+        after = ":".join(f"${{{job[d]}}}_{where[d][1]}" for d in t.depends_on if d in job)
+        wait = f" --dependency=afterok:{after} --kill-on-invalid-dep=yes" if after else ""
+        script, index = where[name]
+        lines.append(f"{job[name]}=$(sbatch --parsable --array={index}{wait} {shlex.quote(str(script))}); "
+                     f"{job[name]}=${{{job[name]}%%;*}}  # {name}")
+    return "\n".join(lines)
 
 
 def _submit_head(m: Manifest, out_dir: Path, what: str) -> list[str]:
@@ -140,7 +164,7 @@ def _bash_array(name: str, items: list[str]) -> str:
     return f"{name}=(\n" + "\n".join(f"  {shlex.quote(x)}" for x in items) + "\n)"
 
 
-def _train_script(m: Manifest, stage: list[Task], path: Path, workdir: Path, kind: str) -> Path:
+def _train_script(m: Manifest, stage: list[Task], path: Path, workdir: Path, kind: str, again: dict[str, str]) -> Path:
     """A job-array script, one task per run x seed of `stage`. It launches gapo-train under torchrun itself (not
     the task's argv), to resume a requeued task from its own newest checkpoint or a branch from its parent's."""
     spec, python = m.block("slurm", SlurmSpec), shlex.quote(sys.executable)
@@ -159,6 +183,8 @@ PY=${{GAPO_PYTHON:-{python}}}
 {_bash_array("ARGS", [shlex.join(["--config", j.config, *j.args]) for j in js])}
 {_bash_array("OUTS", [str(j.out) for j in js])}
 {_bash_array("FROM", [str(j.resume or "") for j in js])}
+# What submits a task again, and the tasks that wait for it, when it fails unsaved (printed, never run from here).
+{_bash_array("AGAIN", [again[t.name] for t in stage])}
 i=$SLURM_ARRAY_TASK_ID
 OUT=${{OUTS[$i]}}
 echo "gapo-sweep: task $i: $OUT, start $((${{SLURM_RESTART_COUNT:-0}} + 1)) on $(hostname) at $(date -Is)"
@@ -188,6 +214,11 @@ srun --cpus-per-task="$SLURM_CPUS_PER_TASK" "$PY" -m gapo.launch --nnodes "$SLUR
 if [ "$code" -eq 75 ]; then  # saved after a signal: again, later, from that checkpoint
   echo "gapo-sweep: saved after a signal (exit 75) at $(date -Is): requeued"
   scontrol requeue "$SLURM_JOB_ID"
+elif [ "$code" -ne 0 ]; then  # a crash, or a kill the ranks could not save at (e.g. scancel --full): no requeue
+  echo "gapo-sweep: stopped unsaved (exit $code) at $(date -Is): not requeued; SLURM cancels the tasks that wait" \
+    "for this one (--kill-on-invalid-dep). Once the cause is fixed, these commands submit it again (it resumes" \
+    "from its newest checkpoint that verifies) and, after it, the tasks that wait for it:"
+  echo "${{AGAIN[$i]}}"
 fi
 echo "gapo-sweep: exit $code at $(date -Is)"
 exit "$code"
