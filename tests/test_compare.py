@@ -519,3 +519,15 @@ def test_the_reports_band_counts_count_a_seeds_shared_decisions_once(tmp_path):
     assert "| 4 (correct) | 6 | 3 | 3 | 0 | 50.0% |" in md
     assert "| all correct (upper bound) | 6 | 3 | 3 | 0 | 50.0% |" in md
     assert "2 same-seed pair(s) counted once" in md and "2 shared decision(s)" in md
+
+
+def test_the_control_is_a_label_after_the_method(seeds, tmp_path, capsys):
+    """--control names the plan's control arm: not a label of the runs, or the first label (the method every other
+    label is compared with, which would leave E2 and E3 with no row), is refused with what to give."""
+    from gapo.study.compare import main
+
+    for control, needle in (("gsp0", "--control 'gsp0': not one of the labels (gapo, gspo)"),
+                            ("gapo", "--control 'gapo' is the first label, the method")):
+        assert main(["seeds", "--out", str(tmp_path / "out"), "--control", control, *_group_args(seeds)]) == 2
+        assert needle in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -366,6 +366,12 @@ def test_slurm_renders_the_graph_it_is_given(tmp_path):
     written = slurm.render(m, [*runs, both], tmp_path / "slurm", tmp_path)
     assert [p.name for p in written] == ["tiny_cluster.runs.sbatch", "tiny_cluster.eval.sbatch", "submit.sh"]
     assert "E0=$(submit --array=0 --dependency=afterok:${RUNS}_0:${RUNS}_1 " in written[-1].read_text()
+    # submitted again after run 0 failed unsaved, the evaluation (listed first here) still follows it, and says that
+    # it also waits for run 1, whose job the printed commands cannot know
+    written = slurm.render(m, [both, *runs], tmp_path / "slurm", tmp_path)
+    again = written[0].read_text().split("AGAIN=(")[1].split("\n)")[0]
+    assert (f"# {both.name} also waits for gspo seed 0: add afterok:<its job>_<task> if it has not finished\n"
+            f"J1=$(sbatch --parsable --array=0 --dependency=afterok:${{J0}}_0 --kill-on-invalid-dep=yes ") in again
     lost = dataclasses.replace(both, depends_on=("nobody seed 0",))
     with pytest.raises(ConfigError, match="evaluation of gapo_from_gspo seed 0 waits for nobody seed 0"):
         slurm.render(m, [*runs, lost], tmp_path / "slurm", tmp_path)
@@ -455,7 +461,8 @@ def test_a_task_that_fails_unsaved_says_what_submits_it_and_its_waiters_again(tm
     d = tmp_path / "slurm"
     assert (tmp_path / "args.sbatch").read_text().splitlines() == [
         f"--parsable --array=1 {d}/tiny_cluster.runs.sbatch",  # gspo seed 0 (job 500)
-        f"--parsable --array=0 --dependency=afterok:500_1 --kill-on-invalid-dep=yes {d}/tiny_cluster.branches.sbatch",
+        f"--parsable --array=0 --job-name=tiny_cluster-gapo_from_gspo-seed0 --dependency=afterok:500_1 "
+        f"--kill-on-invalid-dep=yes {d}/tiny_cluster.branches.sbatch",
         f"--parsable --array=1 --dependency=afterok:500_1 --kill-on-invalid-dep=yes {d}/tiny_cluster.eval.sbatch",
         f"--parsable --array=2 --dependency=afterok:501_0 --kill-on-invalid-dep=yes {d}/tiny_cluster.eval.sbatch"]
 

@@ -284,7 +284,8 @@ def report(groups: dict[str, dict[int, Path]], fixed_eps_hi: dict[str, float], c
         held = i in family and math.isfinite(a.p_t)
         lines.append(f"| {name} | {label} | {_cell(a)} | {p:.3g} | {f'{family[i]:.3g}' if held else ''} |")
     if control is not None:
-        margin = (f"E1's margin, the first label's bound gradient: {e1_margin:.4g} per unit of advantage" if e1_margin
+        margin = (f"E1's margin, the first label's bound gradient per unit of advantage, to the two digits the plan "
+                  f"writes: {e1_margin:.4g}" if e1_margin
                   else "E1's margin: none (the first label's bound does not grow with the advantage), so E1 counts "
                        "against only on the other side of zero")
         lines += ["", "### The primary family, read by the plan's rules", "", f"{margin}.", "",

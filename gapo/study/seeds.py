@@ -479,6 +479,9 @@ def run(args: argparse.Namespace) -> int:
         groups = load_groups(args.groups)
         if args.control is not None and args.control not in groups:
             raise CompareError(f"--control {args.control!r}: not one of the labels ({', '.join(groups)})")
+        if args.control is not None and args.control == next(iter(groups)):
+            raise CompareError(f"--control {args.control!r} is the first label, the method the others are compared "
+                               "with: give the method first and the control after it")
         path = write_report(args.out, groups, window, args.val_step, smooth, args.control)
     except PlotError as e:
         print(f"gapo-compare: error: {e}", file=sys.stderr)

@@ -81,9 +81,10 @@ def render(m: Manifest, tasks: list[Task], out_dir: Path, workdir: Path) -> list
         return [ev, _write_submit(out_dir / "submit_eval.sh", lines, out_dir)]
 
     # each task's array script and index, for the commands that submit a task again after it failed unsaved
-    where = {t.name: (out_dir / f"{m.name}.runs.sbatch", i) for i, t in enumerate(runs)}
-    where |= {t.name: (out_dir / f"{m.name}.branches.sbatch", i) for i, t in enumerate(branches)}
-    where |= {t.name: (out_dir / f"{m.name}.eval.sbatch", i) for i, t in enumerate(evals)}
+    where = {t.name: (out_dir / f"{m.name}.runs.sbatch", i, "") for i, t in enumerate(runs)}
+    where |= {t.name: (out_dir / f"{m.name}.branches.sbatch", i, f" --job-name={_branch_name(m, t)}")
+              for i, t in enumerate(branches)}
+    where |= {t.name: (out_dir / f"{m.name}.eval.sbatch", i, "") for i, t in enumerate(evals)}
     again = {t.name: _submit_again(t, tasks, where) for t in [*runs, *branches]}
     written = [_train_script(m, runs, out_dir / f"{m.name}.runs.sbatch", workdir, "runs", again)]
     if branches:
@@ -101,7 +102,7 @@ def render(m: Manifest, tasks: list[Task], out_dir: Path, workdir: Path) -> list
     lines += [f"RUNS=$(submit {shlex.quote(str(written[0]))})"]
     lines += [f'echo "gapo-sweep: {t.name}: job ${{RUNS}}_{i}"' for i, t in enumerate(runs)]
     for i, t in enumerate(branches):
-        lines += [f"B{i}=$(submit --array={i} --job-name={m.name}-{t.job.run.name}-seed{t.job.seed} "
+        lines += [f"B{i}=$(submit --array={i} --job-name={_branch_name(m, t)} "
                   f"--dependency=afterok:{after(t)} --kill-on-invalid-dep=yes {shlex.quote(str(written[1]))})",
                   f'echo "gapo-sweep: {t.name}: job ${{B{i}}}_{i}, after {after(t)}"']
         job_of[t.name] = f"${{B{i}}}_{i}"
@@ -112,21 +113,27 @@ def render(m: Manifest, tasks: list[Task], out_dir: Path, workdir: Path) -> list
     return [*written, _write_submit(out_dir / "submit.sh", lines, out_dir)]
 
 
-def _submit_again(task: Task, tasks: list[Task], where: dict[str, tuple[Path, int]]) -> str:
+def _branch_name(m: Manifest, t: Task) -> str:
+    return f"{m.name}-{t.job.run.name}-seed{t.job.seed}"
+
+
+def _submit_again(task: Task, tasks: list[Task], where: dict[str, tuple[Path, int, str]]) -> str:
     """The commands that submit `task` again and, each after what it waits for, every task that waits for it (a
     training task that failed unsaved is not requeued, and SLURM cancels those: --kill-on-invalid-dep). A task that
-    also waits for one not submitted again waits only for the ones that are."""
-    again, lines = [task.name], []
-    for t in tasks:  # the graph lists a task after the tasks it waits for
-        if t.name not in again and any(d in again for d in t.depends_on):
-            again.append(t.name)
-    job = {name: f"J{n}" for n, name in enumerate(again)}
+    also waits for one not submitted again says so in a comment: that one's job id is not known here."""
+    again = [task.name]
+    while grown := [t.name for t in tasks if t.name not in again and any(d in again for d in t.depends_on)]:
+        again += grown  # whatever order the graph lists them in, a task comes after the ones it waits for
+    job, lines = {name: f"J{n}" for n, name in enumerate(again)}, []
     for name in again:
         t = next(x for x in tasks if x.name == name)
         after = ":".join(f"${{{job[d]}}}_{where[d][1]}" for d in t.depends_on if d in job)
         wait = f" --dependency=afterok:{after} --kill-on-invalid-dep=yes" if after else ""
-        script, index = where[name]
-        lines.append(f"{job[name]}=$(sbatch --parsable --array={index}{wait} {shlex.quote(str(script))}); "
+        script, index, named = where[name]
+        others = [d for d in t.depends_on if d not in job]
+        lines += [f"# {name} also waits for {', '.join(others)}: add afterok:<its job>_<task> if it has not "
+                  "finished"] if others else []
+        lines.append(f"{job[name]}=$(sbatch --parsable --array={index}{named}{wait} {shlex.quote(str(script))}); "
                      f"{job[name]}=${{{job[name]}%%;*}}  # {name}")
     return "\n".join(lines)
 
@@ -213,10 +220,11 @@ srun --cpus-per-task="$SLURM_CPUS_PER_TASK" "$PY" -m gapo.launch --nnodes "$SLUR
   || code=$?
 if [ "$code" -eq 75 ]; then  # saved after a signal: again, later, from that checkpoint
   echo "gapo-sweep: saved after a signal (exit 75) at $(date -Is): requeued"
-  scontrol requeue "$SLURM_JOB_ID"
+  scontrol requeue "$SLURM_JOB_ID" || {{ echo "gapo-sweep: the requeue failed; these commands submit this task" \\
+    "again and, after it, the tasks that wait for it:"; echo "${{AGAIN[$i]}}"; }}
 elif [ "$code" -ne 0 ]; then  # a crash, or a kill the ranks could not save at (e.g. scancel --full): no requeue
-  echo "gapo-sweep: stopped unsaved (exit $code) at $(date -Is): not requeued; SLURM cancels the tasks that wait" \
-    "for this one (--kill-on-invalid-dep). Once the cause is fixed, these commands submit it again (it resumes" \
+  echo "gapo-sweep: stopped unsaved (exit $code) at $(date -Is): not requeued; SLURM cancels the tasks that wait" \\
+    "for this one (--kill-on-invalid-dep). Once the cause is fixed, these commands submit it again (it resumes" \\
     "from its newest checkpoint that verifies) and, after it, the tasks that wait for it:"
   echo "${{AGAIN[$i]}}"
 fi
