@@ -34,11 +34,9 @@ from scipy import stats as st
 
 from gapo.errors import Exit
 from gapo.study.band import read_rollouts
-from gapo.study.endpoints import decisions, decisions_of, mean_is_adv_corr, slope
+from gapo.study.endpoints import PREDICTED, decisions, decisions_of, mean_is_adv_corr, slope
 from gapo.study.figures import PlotError
 from gapo.study.stats import holm
-
-PREDICTED_SIGN = {"E1": +1, "E2": +1, "E3": -1}  # the plan's predicted directions
 
 
 @dataclass(frozen=True)
@@ -111,7 +109,7 @@ def simulate(treated: Steps, control: Steps, effects: dict[str, float], seeds: i
         k = np.sum(np.isfinite(v), axis=1)
         t = m / (sd / np.sqrt(k))
         p[e] = 2 * st.t.sf(np.abs(t), k - 1)
-        right[e] = np.sign(m) == PREDICTED_SIGN[e]
+        right[e] = np.sign(m) == PREDICTED[e]
     adjusted = np.array([holm([p[e][i] for e in raw]) for i in range(sims)])  # [sims, 3]
     hit = {e: (adjusted[:, j] < alpha) & right[e] for j, e in enumerate(raw)}
     out = {e: float(h.mean()) for e, h in hit.items()}
@@ -178,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| endpoint | {' | '.join(f'{n} seeds' for n in a.seeds)} |")
     print("|---|" + "---|" * len(a.seeds))
     for e in ("E1", "E2", "E3"):
-        print(f"| {e} | {' | '.join(f'{PREDICTED_SIGN[e] * smallest_effect(sd[e], n):+.3g}' for n in a.seeds)} |")
+        print(f"| {e} | {' | '.join(f'{PREDICTED[e] * smallest_effect(sd[e], n):+.3g}' for n in a.seeds)} |")
     return 0
 
 
