@@ -41,7 +41,6 @@ from pathlib import Path
 from gapo import rundir
 from gapo.config import CONFIGS_DIR, Config, ConfigError
 from gapo.configfile import dump_config, resolve
-from gapo.console import brief
 from gapo.models import TINY, model_facts
 
 log = logging.getLogger("gapo.rehearse")
@@ -187,7 +186,8 @@ def _benchmarks(cfg: Config, scaled: list[str]) -> list[str]:
             load_benchmark(spec, 2, cfg.data)
             kept.append(spec)
         except ConfigError as err:
-            scaled.append(f"eval.benchmarks: {spec} left out ({brief(str(err))})")
+            # In full, on its own line: the reason's end (the library's error, what to set) is what a user acts on.
+            scaled.append(f"eval.benchmarks: {spec} left out, because:\n      {err}")
     return kept
 
 

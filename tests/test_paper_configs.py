@@ -272,3 +272,21 @@ def test_the_rehearsal_checks_every_local_record_and_refuses_them_with_on_invali
     cfg = load_config("tiny_cpu", [f"data.train={f}", "data.on_invalid=error", f"trainer.output_dir={tmp_path / 'x'}"])
     with pytest.raises(ConfigError, match=r"data.train: 2 of 22 records .* cannot be scored \(data.on_invalid=error\)"):
         prepare(cfg, 1)
+
+
+
+def test_a_benchmark_the_rehearsal_leaves_out_keeps_its_whole_reason(monkeypatch, tmp_path):
+    """The end of the reason (what is missing, what to set) is what a user acts on, so no cut may reach it."""
+    from gapo.evaluation import load_benchmark
+    from gapo.errors import ConfigError
+    from gapo.rehearse import _benchmarks
+
+    monkeypatch.setenv("GAPO_DATA_DIR", str(tmp_path))  # empty: codeforces has no local file, and no hub dataset
+    cfg = load_config("deepcoder", ["eval.benchmarks=[codeforces]"])
+    with pytest.raises(ConfigError) as err:
+        load_benchmark("codeforces", 2, cfg.data)
+    scaled: list[str] = []
+    assert _benchmarks(cfg, scaled) == []
+    line = next(s for s in scaled if s.startswith("eval.benchmarks: codeforces"))
+    assert line.split("\n") == ["eval.benchmarks: codeforces left out, because:", f"      {err.value}"]
+    assert "set GAPO_DATA_DIR" in line and len(str(err.value)) > 160  # longer than a one-line quote would keep
