@@ -277,8 +277,8 @@ def test_the_rehearsal_checks_every_local_record_and_refuses_them_with_on_invali
 
 def test_a_benchmark_the_rehearsal_leaves_out_keeps_its_whole_reason(monkeypatch, tmp_path):
     """The end of the reason (what is missing, what to set) is what a user acts on, so no cut may reach it."""
-    from gapo.evaluation import load_benchmark
     from gapo.errors import ConfigError
+    from gapo.evaluation import load_benchmark
     from gapo.rehearse import _benchmarks
 
     monkeypatch.setenv("GAPO_DATA_DIR", str(tmp_path))  # empty: codeforces has no local file, and no hub dataset
