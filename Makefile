@@ -71,9 +71,9 @@ demo-compare: install
 	$(BIN)/gapo-sweep demo_mechanism --eval
 	$(BIN)/gapo-compare table demo_mechanism
 	$(BIN)/gapo-compare seeds --out $(DEMO_RUNS)/compare/seeds --control "GSPO 0.003" \
-	  "GAPO 0.003/0.015=$$(ls -d $(DEMO_RUNS)/gapo/seed*/ | paste -sd,)" \
-	  "GSPO 0.003=$$(ls -d $(DEMO_RUNS)/gspo_sym/seed*/ | paste -sd,)" \
-	  "GSPO 0.003/0.015=$$(ls -d $(DEMO_RUNS)/gspo_asym/seed*/ | paste -sd,)"
+	  "GAPO 0.003/0.015=$$(ls -d $(DEMO_RUNS)/gapo/seed*/ | grep -E '/seed[0-9]+/$$' | paste -sd,)" \
+	  "GSPO 0.003=$$(ls -d $(DEMO_RUNS)/gspo_sym/seed*/ | grep -E '/seed[0-9]+/$$' | paste -sd,)" \
+	  "GSPO 0.003/0.015=$$(ls -d $(DEMO_RUNS)/gspo_asym/seed*/ | grep -E '/seed[0-9]+/$$' | paste -sd,)"
 
 # TRL in an environment of its own (not a gapo dependency), for bench/e2e_vs_trl.py: the same torch and
 # transformers as .venv, so that both sides run the same model code.

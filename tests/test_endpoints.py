@@ -62,12 +62,18 @@ def test_weighted_clip_share_and_mean_correlation_by_hand(tmp_path):
 def test_across_seeds_keeps_every_seed_and_tests_exactly():
     by_seed = {0: 0.3, 1: -0.1, 2: 0.5, 3: float("nan"), 4: 0.2, 5: 0.4}
     r = ep.across_seeds(by_seed)
-    assert r.seeds == [0, 1, 2, 4, 5]  # the one with no value is absent, not replaced
+    assert r.seeds == [0, 1, 2, 4, 5] and r.without == {3: "no value"}  # not replaced, and named
     v = np.array([0.3, -0.1, 0.5, 0.2, 0.4])
     assert r.p_t == pytest.approx(stats.ttest_1samp(v, 0).pvalue)
     flips = [abs(np.mean(np.array(s) * v)) for s in itertools.product([1, -1], repeat=len(v))]
     assert r.p_flip == pytest.approx(np.mean([f >= abs(v.mean()) - 1e-12 for f in flips]))
-    assert ep.paired({0: 1.0, 1: 2.0, 3: 5.0}, {1: 0.5, 3: 1.0, 4: 9.0}) == {1: 1.5, 3: 4.0}
+    assert r.sd == pytest.approx(np.std(v, ddof=1))
+    a, b = {0: 1.0, 1: 2.0, 3: 5.0, 5: float("nan")}, {1: 0.5, 3: 1.0, 4: 9.0, 5: 2.0}
+    d = ep.paired(a, b)
+    assert list(d) == [0, 1, 3, 4, 5] and (d[1], d[3]) == (1.5, 4.0) and np.isnan([d[0], d[4], d[5]]).all()
+    why = ep.why_paired(("A", "B"), (a, b), ({5: "one advantage"}, {}))
+    assert why == {0: "B: no run", 4: "A: no run", 5: "A: one advantage"}
+    assert ep.across_seeds(d, why).without == why  # every seed either arm ran is kept in view
 
 
 def simulated(rng, seeds, interaction, per_run=40):
@@ -133,15 +139,15 @@ def test_the_report_reads_each_endpoint_off_the_runs(tmp_path):
     lines = ep.report(groups, {"GSPO": 0.003})
     text = "\n".join(lines)
     e1 = ep.across_seeds({s: ep.slope(dec["GAPO", s].adv, np.log(dec["GAPO", s].ratio)) for s in (0, 1, 2)})
-    assert f"| E1 log-ratio slope on (k-c)/k | GAPO | {e1.mean:+.4g} [{e1.lo:+.4g}, {e1.hi:+.4g}] | 3 (0, 1, 2) |" \
-        in text
+    assert (f"| E1 log-ratio slope on (k-c)/k | GAPO | {e1.mean:+.4g} [{e1.lo:+.4g}, {e1.hi:+.4g}] | {e1.sd:.3g} | "
+            "3 (0, 1, 2) |") in text
     e2 = ep.across_seeds(ep.paired({s: ep.mean_is_adv_corr(groups["GAPO"][s]) for s in (0, 1, 2)},
                                    {s: ep.mean_is_adv_corr(groups["GSPO"][s]) for s in (0, 1, 2)}))
     assert f"| E2 mean is_adv_corr, Δ | GAPO − GSPO | {e2.mean:+.4g} [" in text
     e3 = ep.across_seeds({s: ep.slope(dec["GAPO", s].adv, dec["GAPO", s].clipped.astype(float))
                           - ep.slope(dec["GSPO", s].adv, dec["GSPO", s].clipped.astype(float)) for s in (0, 1, 2)})
     assert (f"| E3 P(clip) slope on (k-c)/k under the run's rule, Δ | GAPO − GSPO | {e3.mean:+.4g} "
-            f"[{e3.lo:+.4g}, {e3.hi:+.4g}] | 3 (0, 1, 2) |") in text
+            f"[{e3.lo:+.4g}, {e3.hi:+.4g}] | {e3.sd:.3g} | 3 (0, 1, 2) |") in text
     assert "| E3 advantage-weighted clip share, Δ | GAPO − GSPO |" in text
     [model] = ep.clip_model({"GSPO": {s: dec["GSPO", s] for s in (0, 1, 2)},
                              "GAPO": {s: dec["GAPO", s] for s in (0, 1, 2)}}, reference="GSPO")
@@ -149,14 +155,17 @@ def test_the_report_reads_each_endpoint_off_the_runs(tmp_path):
     # the plan's family: the control's E1, the first label's E2 and E3 slope against it, Holm over those three
     e1_control = ep.across_seeds({s: ep.slope(dec["GSPO", s].adv, np.log(dec["GSPO", s].ratio)) for s in (0, 1, 2)})
     family = holm([e1_control.p_t, e2.p_t, e3.p_t])
-    planned = "\n".join(ep.report(groups, {"GSPO": 0.003}, control="GSPO")).split("### The primary family")[0]
+    full = "\n".join(ep.report(groups, {"GSPO": 0.003}, control="GSPO"))
+    planned = full.split("### The primary family")[0]
     rows = {line.split(" | ")[0] + " | " + line.split(" | ")[1]: line for line in planned.splitlines()
             if line.startswith("| E")}
     assert rows["| E1 log-ratio slope on (k-c)/k | GSPO"].endswith(f"| {family[0]:.3g} |")
     assert rows["| E2 mean is_adv_corr, Δ | GAPO − GSPO"].endswith(f"| {family[1]:.3g} |")
     assert rows["| E3 P(clip) slope on (k-c)/k under the run's rule, Δ | GAPO − GSPO"].endswith(f"| {family[2]:.3g} |")
-    assert rows["| E1 log-ratio slope on (k-c)/k | GAPO"].endswith("|  |")  # not in the family
-    assert rows["| E3 advantage-weighted clip share, Δ | GAPO − GSPO"].endswith("|  |")
+    # not in the family, and said so in their names (the plan's secondary analyses)
+    assert rows["| E1 log-ratio slope on (k-c)/k (secondary) | GAPO"].endswith("|  |")
+    assert rows["| E3 advantage-weighted clip share, Δ (secondary) | GAPO − GSPO"].endswith("|  |")
+    assert "E3's model (secondary):" in full and "(secondary)" not in text  # without --control, no plan
     clip_at = ep.across_seeds({s: ep.slope(dec["GSPO", s].adv, (dec["GSPO", s].ratio > 1.003).astype(float))
                                for s in (0, 1, 2)})
     assert rows["| E1 P(clip) at 1 + 0.003 slope (secondary) | GSPO"].startswith(
@@ -181,8 +190,48 @@ def test_the_report_reads_each_endpoint_off_the_runs(tmp_path):
         assert f"| {e} | | | | not estimable (no row: its runs or their rollouts are missing) |" in text
 
 
+def test_a_seed_without_a_value_is_named_with_why_in_every_row_it_misses(tmp_path):
+    """The plan keeps every seed that ran: a run whose decisions share one advantage has no slope, and a seed one arm
+    lacks has no pair; neither vanishes from the report (the table's seeds column and a list below it say why)."""
+    rng = np.random.default_rng(2)
+    groups = {"GAPO": {}, "GSPO": {}}
+    for label, seeds in (("GAPO", (0, 1, 2, 3)), ("GSPO", (0, 1, 2))):
+        for seed in seeds:
+            cs = [4] * 6 if (label, seed) == ("GSPO", 2) else [int(rng.integers(1, 8)) for _ in range(12)]
+            records = [rollout((8 - c) / 8, c, [(1.0, False, 0), (float(np.exp(rng.normal(0.01, 0.01))), True,
+                                                                  int(rng.random() < 0.3))]) for c in cs]
+            groups[label][seed] = write_run(tmp_path / label / f"seed{seed}", records,
+                                            [{"step": 1, "is_adv_corr": float(rng.normal(0, 0.1))}])
+    text = "\n".join(ep.report(groups, {"GSPO": 0.003, "other": 0.015}, control="GSPO"))
+    table = text.split("### The primary family")[0]
+    rows = {line.split(" | ")[0][2:]: line for line in table.splitlines() if line.startswith("| E")}
+    assert "| 2 (0, 1); none: 2 |" in rows["E1 log-ratio slope on (k-c)/k"]
+    assert "| 3 (0, 1, 2); none: 3 |" in rows["E2 mean is_adv_corr, Δ"]
+    assert "| 2 (0, 1); none: 2, 3 |" in rows["E3 P(clip) slope on (k-c)/k under the run's rule, Δ"]
+    assert ("- E3 P(clip) slope on (k-c)/k under the run's rule, Δ (GAPO − GSPO): seed 2: GSPO: its 6 decision(s) "
+            "share one advantage, 0.5: no slope; seed 3: GSPO: no run") in text
+    assert "- E1 log-ratio slope on (k-c)/k (GSPO): seed 2: GSPO" not in text  # one arm: the seed and its own reason
+    assert "- E1 log-ratio slope on (k-c)/k (GSPO): seed 2: its 6 decision(s) share one advantage" in text
+    # the control's clip slope under its own bound is the plan's secondary; under another rule's, exploratory
+    assert "E1 P(clip) at 1 + 0.003 slope (secondary)" in rows and "E1 P(clip) at 1 + 0.015 slope (exploratory)" in rows
+
+
+@pytest.mark.parametrize("values, expected", [
+    ([0.0] * 16, "inconclusive: every one of the 16 seeds' values is exactly 0"),
+    ([-0.25] * 16, "inconclusive by the plan's rules, whose t test is undefined without spread: every one of the 16 "
+                   "seeds' values is -0.25 (sign-flip p 3.05e-05)"),
+])
+def test_an_endpoint_without_spread_is_read_in_words_not_as_not_estimable(values, expected):
+    """E3 is exactly 0 in every pair when neither rule ever clips: the rules never differed, which the plan reads as
+    inconclusive; identical nonzero differences leave the t test undefined, and the sign-flip p is said instead."""
+    a = ep.across_seeds(dict(enumerate(values)))
+    got = ep.reading("E3", a, float("nan"))
+    assert got.startswith(expected), got
+
+
 def _seeds(mean: float, lo: float, hi: float, p: float = 0.5) -> ep.AcrossSeeds:
-    return ep.AcrossSeeds(seeds=list(range(16)), values=np.zeros(16), mean=mean, lo=lo, hi=hi, p_t=p, p_flip=p)
+    return ep.AcrossSeeds(seeds=list(range(16)), values=np.linspace(lo, hi, 16), mean=mean, lo=lo, hi=hi, p_t=p,
+                          p_flip=p)
 
 
 @pytest.mark.parametrize("endpoint, a, p_holm, expected", [

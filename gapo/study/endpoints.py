@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -96,6 +96,11 @@ def mean_is_adv_corr(run_dir: Path) -> float:
     return float(np.mean(values)) if values else float("nan")
 
 
+def clip_slope(d: Decisions) -> float:
+    """E3 for one run: the linear probability slope of "clipped by the run's own rule" on the advantage."""
+    return slope(d.adv, d.clipped.astype(float))
+
+
 def weighted_clip_share(d: Decisions) -> float:
     """E3's per-run figure: the share of the correct decisions' summed advantage whose update clipping removed."""
     total = d.adv.sum()
@@ -105,7 +110,7 @@ def weighted_clip_share(d: Decisions) -> float:
 @dataclass(frozen=True)
 class AcrossSeeds:
     """One endpoint over the seeds: the per-seed values (or paired differences), their mean and t interval, the
-    one-sample t p-value and the exact sign-flip p."""
+    one-sample t p-value and the exact sign-flip p; and every seed that ran but has no value, with why."""
 
     seeds: list[int]
     values: np.ndarray
@@ -114,20 +119,47 @@ class AcrossSeeds:
     hi: float
     p_t: float
     p_flip: float
+    without: dict[int, str] = field(default_factory=dict)  # seed -> why it has no value
+
+    @property
+    def sd(self) -> float:
+        """The spread of the per-seed values (the plan's per-run SD, or the pairs' SD), to set beside the pilot's."""
+        return float(np.std(self.values, ddof=1)) if len(self.values) > 1 else float("nan")
 
 
-def across_seeds(by_seed: dict[int, float]) -> AcrossSeeds:
-    """Every seed with a finite value, in seed order (a seed with none, e.g. no correct decision at all, says so by
-    its absence from `seeds`; it is not replaced)."""
+def across_seeds(by_seed: dict[int, float], why: dict[int, str] | None = None) -> AcrossSeeds:
+    """Every seed with a finite value, in seed order. A seed without one (no correct decision, one advantage only,
+    a run one arm lacks) is not replaced or dropped in silence: it is listed in `without`, with `why[seed]`."""
     seeds = sorted(s for s, v in by_seed.items() if math.isfinite(v))
     values = np.array([by_seed[s] for s in seeds], dtype=float)
     mean, lo, hi, p = paired_t(values)
-    return AcrossSeeds(seeds, values, mean, lo, hi, p, sign_flip_p(values))
+    without = {s: (why or {}).get(s, "no value") for s in sorted(by_seed) if not math.isfinite(by_seed[s])}
+    return AcrossSeeds(seeds, values, mean, lo, hi, p, sign_flip_p(values), without)
 
 
 def paired(a: dict[int, float], b: dict[int, float]) -> dict[int, float]:
-    """a - b at the seeds both have (by trainer.seed)."""
-    return {s: a[s] - b[s] for s in sorted(set(a) & set(b))}
+    """a - b by trainer.seed, at every seed either side ran: NaN where one side has no value or no run, so that
+    across_seeds names the seed rather than the pair vanishing."""
+    return {s: a.get(s, math.nan) - b.get(s, math.nan) for s in sorted(set(a) | set(b))}
+
+
+def why_paired(labels: tuple[str, str], values: tuple[dict[int, float], dict[int, float]],
+               why: tuple[dict[int, str], dict[int, str]]) -> dict[int, str]:
+    """Why each seed of a pair has no difference: which side lacks a value, and that side's reason."""
+    out = {}
+    for s in sorted(set(values[0]) | set(values[1])):
+        said = [f"{lab}: {w.get(s, 'no value') if s in v else 'no run'}"
+                for lab, v, w in zip(labels, values, why, strict=True) if not math.isfinite(v.get(s, math.nan))]
+        if said:
+            out[s] = "; ".join(said)
+    return out
+
+
+def why_none(d: Decisions) -> str:
+    """Why a run's decisions give no slope (E1, E3) or share."""
+    if not len(d):
+        return "no correct off-policy decision"
+    return f"its {len(d)} decision(s) share one advantage, {d.adv[0]:.3g}: no slope"
 
 
 @dataclass(frozen=True)
@@ -179,10 +211,11 @@ def clip_model(runs: dict[str, dict[int, Decisions]], reference: str, level: flo
 
 
 def _cell(a: AcrossSeeds) -> str:
+    none = f"; none: {', '.join(map(str, a.without))}" if a.without else ""
     if not a.seeds:
-        return "no seed with a value | | | "
-    return (f"{a.mean:+.4g} [{a.lo:+.4g}, {a.hi:+.4g}] | {len(a.seeds)} ({', '.join(map(str, a.seeds))}) | "
-            f"{a.p_t:.3g} | {a.p_flip:.3g}")
+        return f"no seed with a value | 0{none} | | | "
+    return (f"{a.mean:+.4g} [{a.lo:+.4g}, {a.hi:+.4g}] | {a.sd:.3g} | {len(a.seeds)} ({', '.join(map(str, a.seeds))})"
+            f"{none} | {a.p_t:.3g} | {a.p_flip:.3g}")
 
 
 def bound_gradient(a: AlgorithmConfig, k: int) -> float | None:
@@ -205,8 +238,14 @@ def reading(endpoint: str, a: AcrossSeeds, p_holm: float, e1_margin: float | Non
     below `e1_margin`, GAPO's own bound gradient; otherwise inconclusive at this power, with the effects the
     interval still holds. E1 can be both: a positive slope smaller than GAPO's bound assumes."""
     sign = PREDICTED[endpoint]
+    if len(a.seeds) > 1 and np.ptp(a.values) == 0:  # the t test is undefined: say what the seeds show instead
+        if a.values[0] == 0:
+            return (f"inconclusive: every one of the {len(a.seeds)} seeds' values is exactly 0 (the rules never "
+                    "differed on it), so there is no effect to read and no interval")
+        return (f"inconclusive by the plan's rules, whose t test is undefined without spread: every one of the "
+                f"{len(a.seeds)} seeds' values is {a.values[0]:+.4g} (sign-flip p {a.p_flip:.3g})")
     if not a.seeds or not math.isfinite(a.p_t) or not math.isfinite(p_holm):
-        return "not estimable (no p): neither for nor against"
+        return "not estimable (fewer than two seeds with a value): neither for nor against"
     found = []
     if p_holm < 0.05 and sign * a.mean > 0:
         found.append("**for** the claim (Holm p < 0.05, the predicted sign)")
@@ -226,18 +265,25 @@ def report(groups: dict[str, dict[int, Path]], fixed_eps_hi: dict[str, float], c
     """The endpoints as the plan reads them, for `gapo-compare seeds`: `groups` maps a label to its runs by trainer.seed
     (the method first, then the rules it is compared with); `fixed_eps_hi` the upper bound of each fixed rule's label.
     E1 per label; E2 and E3 the first label against each other, paired by seed; each p unadjusted, with Holm over
-    this table's rows beside it.
+    this table's rows beside it (exploratory); every seed without a value named, with why.
     `control`: the plan's control label; its E1 and the first label's E2 and E3 (the P(clip) slope) against it are
     the primary family, Holm-adjusted over those three in a column of their own (the plan's test), and read by the
-    plan's rules in a table of their own (`reading`; `e1_margin`: GAPO's bound gradient per unit of advantage)."""
+    plan's rules in a table of their own (`reading`; `e1_margin`: GAPO's bound gradient per unit of advantage); the
+    other rows then say secondary or exploratory in their names, as the plan lists them."""
     labels = list(groups)
     lines = ["", "## Endpoints (experiments/demo_mechanism_plan.md; gapo/study/endpoints.py)", "",
-             "Per run, then across seeds: mean [95 % t interval], the seeds with a value (trainer.seed), the "
-             "one-sample or paired t p and the exact sign-flip p; Holm over the rows of this table in the last column "
-             "(the plan's primary family is a subset of them: see the plan).", "",
-             "| endpoint | label(s) | mean [95 % CI] | seeds | p (t) | p (sign-flip) | p (Holm, this table) | "
-             "p (Holm, the plan's primary family) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "Per run, then across seeds: mean [95 % t interval], the SD of the per-seed values (of the differences "
+             "for a paired row), the seeds with a value (trainer.seed; those without are named below the table), the "
+             "one-sample or paired t p and the exact sign-flip p. With --control, rows outside the plan's primary "
+             "family say secondary or exploratory in their name; the column of Holm over every row is exploratory "
+             "(the plan's test is the last column).", "",
+             "| endpoint | label(s) | mean [95 % CI] | SD | seeds | p (t) | p (sign-flip) | p (Holm, every row: "
+             "exploratory) | p (Holm, the plan's primary family) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+
+    def tag(primary: bool, kind: str = "secondary") -> str:
+        return "" if control is None or primary else f" ({kind})"
+
     rows: list[tuple[str, str, AcrossSeeds]] = []
     try:
         dec = {label: {seed: decisions(path) for seed, path in runs.items()} for label, runs in groups.items()}
@@ -245,30 +291,36 @@ def report(groups: dict[str, dict[int, Path]], fixed_eps_hi: dict[str, float], c
         dec = None
         lines.insert(3, f"E1 and E3 need every run's rollouts.jsonl (trainer.log_rollouts=true): {err}")
     if dec is not None:
+        why = {label: {s: why_none(d) for s, d in by_seed.items()} for label, by_seed in dec.items()}
         for label in labels:
             e1 = {s: premise(d, list(fixed_eps_hi.values())) for s, d in dec[label].items()}
-            rows.append(("E1 log-ratio slope on (k-c)/k", label, across_seeds({s: v["log ratio"]
-                                                                             for s, v in e1.items()})))
-            if control is not None and label == control:  # secondary: the same ratios judged under each fixed bound
-                for key in (k for k in next(iter(e1.values()), {}) if k != "log ratio"):
-                    rows.append((f"E1 {key} slope (secondary)", label,
-                                 across_seeds({s: v[key] for s, v in e1.items()})))
+            rows.append((f"E1 log-ratio slope on (k-c)/k{tag(label == control)}", label,
+                         across_seeds({s: v["log ratio"] for s, v in e1.items()}, why[label])))
+            if control is not None and label == control:  # the same ratios judged under each fixed bound
+                for eps_hi in fixed_eps_hi.values():
+                    key = f"P(clip) at 1 + {eps_hi:g}"  # the plan names the control's own bound; others: exploratory
+                    kind = "secondary" if eps_hi == fixed_eps_hi.get(control) else "exploratory"
+                    rows.append((f"E1 {key} slope{tag(False, kind)}", label,
+                                 across_seeds({s: v[key] for s, v in e1.items()}, why[label])))
     corr = {label: {seed: mean_is_adv_corr(path) for seed, path in runs.items()} for label, runs in groups.items()}
+    corr_why = {label: {s: "no step logged is_adv_corr" for s in by_seed} for label, by_seed in corr.items()}
+    first = labels[0]
     for other in labels[1:]:
-        rows.append(("E2 mean is_adv_corr, Δ", f"{labels[0]} − {other}", across_seeds(paired(corr[labels[0]],
-                                                                                            corr[other]))))
+        pair, main = f"{first} − {other}", other == control
+        rows.append((f"E2 mean is_adv_corr, Δ{tag(main)}", pair, across_seeds(
+            paired(corr[first], corr[other]),
+            why_paired((first, other), (corr[first], corr[other]), (corr_why[first], corr_why[other])))))
         if dec is not None:
-            climb = {label: {s: slope(d.adv, d.clipped.astype(float)) for s, d in dec[label].items()}
-                     for label in (labels[0], other)}
-            rows.append(("E3 P(clip) slope on (k-c)/k under the run's rule, Δ", f"{labels[0]} − {other}",
-                         across_seeds(paired(climb[labels[0]], climb[other]))))
-            share = {label: {s: weighted_clip_share(d) for s, d in dec[label].items()} for label in (labels[0], other)}
-            rows.append(("E3 advantage-weighted clip share, Δ", f"{labels[0]} − {other}",
-                         across_seeds(paired(share[labels[0]], share[other]))))
+            for name, per_run, kind in (("E3 P(clip) slope on (k-c)/k under the run's rule, Δ", clip_slope, tag(main)),
+                                        ("E3 advantage-weighted clip share, Δ", weighted_clip_share, tag(False))):
+                value = {label: {s: per_run(d) for s, d in dec[label].items()} for label in (first, other)}
+                rows.append((f"{name}{kind}", pair, across_seeds(
+                    paired(value[first], value[other]),
+                    why_paired((first, other), (value[first], value[other]), (why[first], why[other])))))
     adjusted = holm([r[2].p_t for r in rows])
     primary = [i for i, (name, label, _) in enumerate(rows) if control is not None and (
         (name.startswith("E1 log-ratio") and label == control) or
-        (name.startswith(("E2", "E3 P(clip)")) and label == f"{labels[0]} − {control}"))]
+        (name.startswith(("E2", "E3 P(clip)")) and label == f"{first} − {control}"))]
     family: dict[int, float] = {}
     if control is not None:
         # Holm over the plan's three. A primary row missing (no runs, no rollouts) or without a p counts as p = 1, which
@@ -283,6 +335,11 @@ def report(groups: dict[str, dict[int, Path]], fixed_eps_hi: dict[str, float], c
     for i, ((name, label, a), p) in enumerate(zip(rows, adjusted, strict=True)):
         held = i in family and math.isfinite(a.p_t)
         lines.append(f"| {name} | {label} | {_cell(a)} | {p:.3g} | {f'{family[i]:.3g}' if held else ''} |")
+    unvalued = [(name, label, a) for name, label, a in rows if a.without]
+    if unvalued:
+        lines += ["", "Seeds without a value, kept in the design and named here (none is replaced or dropped):", ""]
+        lines += [f"- {name} ({label}): " + "; ".join(f"seed {s}: {w}" for s, w in a.without.items())
+                  for name, label, a in unvalued]
     if control is not None:
         margin = (f"E1's margin, the first label's bound gradient per unit of advantage, to the two digits the plan "
                   f"writes: {e1_margin:.4g}" if e1_margin
@@ -299,9 +356,9 @@ def report(groups: dict[str, dict[int, Path]], fixed_eps_hi: dict[str, float], c
         lines += [f"| {e} | | | | not estimable (no row: its runs or their rollouts are missing) |"
                   for e in PREDICTED if e not in present]
     if dec is not None and len(labels) > 1:
-        lines += ["", "E3's model: P(clip) of a correct decision ~ rule × advantage, logistic GEE over every seed's "
-                  "decisions, seeds as clusters, bias-reduced sandwich; the term is the log odds ratio per unit of "
-                  "advantage of the first label against the reference.", "",
+        lines += ["", f"E3's model{tag(False)}: P(clip) of a correct decision ~ rule × advantage, logistic GEE over "
+                  "every seed's decisions, seeds as clusters, bias-reduced sandwich; the term is the log odds ratio "
+                  "per unit of advantage of the first label against the reference.", "",
                   "| rule | reference | rule × advantage [95 % CI] | p | decisions | seeds |",
                   "|---|---|---|---|---|---|"]
         for other in labels[1:]:

@@ -266,7 +266,8 @@ def _half(groups: dict[str, list[Run]]) -> float:
 
 
 def interaction_table(groups: dict[str, list[Run]], window: Window) -> list[str]:
-    """The primary endpoint: the c x rule interaction, paired by seed.
+    """The earlier five-seed design's endpoint, exploratory under the plan (experiments/demo_mechanism_plan.md): the
+    c x rule interaction, paired by seed.
 
     Per seed, a rule's contrast is its clip fraction at low c minus at high c (correct rollouts, off-policy
     decisions pooled within the seed); the interaction of two rules is the difference of their contrasts at the
@@ -277,7 +278,7 @@ def interaction_table(groups: dict[str, list[Run]], window: Window) -> list[str]
     contrast = {lab: {s: x[0] / x[1] - x[2] / x[3] for s, x in got.items() if x[1] > 0 and x[3] > 0}
                 for lab, got in per.items()}
     labels = list(groups)
-    out = ["", "## The c × rule interaction, paired by seed (primary endpoint)", "",
+    out = ["", "## The c × rule interaction, paired by seed (exploratory)", "",
            f"Per seed: a rule's contrast is its clip fraction of correct rollouts at low c (c ≤ {half:g}) minus at "
            "high c, each pooled over the seed's off-policy decisions; the interaction of two labels is the "
            "difference of their contrasts at the same trainer.seed. A seed with no decision at low or high c has no "
@@ -341,7 +342,7 @@ def pooled_clip_table(groups: dict[str, list[Run]], window: Window) -> list[str]
            "first label's odds of a clip over the second's, with its Robins–Breslow–Greenland 95 % interval. It "
            "treats every decision as independent, which they are not (a mini-batch's rollouts share one update; "
            "under token IS the units are tokens of one rollout), so its p-values are too small by an unknown "
-           "factor: the seed-level table above is primary. Holm's correction is over this table's tests.", "",
+           "factor: the per-seed tables above come first. Holm's correction is over this table's tests.", "",
            f"| comparison | c | seeds | clipped / decisions (first) | clipped / decisions (second) | odds ratio "
            f"[95 % CI] | χ² | p | Holm ({m_tests} tests) |", "|---|---|---|---|---|---|---|---|---|"]
     for (a, b, band, strata, odds, chi2, p, (lo, hi)), adj in zip(rows, adjusted, strict=True):
