@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -187,7 +188,7 @@ def _benchmarks(cfg: Config, scaled: list[str]) -> list[str]:
             kept.append(spec)
         except ConfigError as err:
             # In full, on its own line: the reason's end (the library's error, what to set) is what a user acts on.
-            scaled.append(f"eval.benchmarks: {spec} left out, because:\n      {err}")
+            scaled.append(f"eval.benchmarks: {spec} left out, because:\n" + textwrap.indent(str(err), "      "))
     return kept
 
 

@@ -216,6 +216,18 @@ def test_a_seed_without_a_value_is_named_with_why_in_every_row_it_misses(tmp_pat
     assert "E1 P(clip) at 1 + 0.003 slope (secondary)" in rows and "E1 P(clip) at 1 + 0.015 slope (exploratory)" in rows
 
 
+def test_a_row_without_any_value_keeps_its_columns_and_every_cause_is_its_own():
+    nothing = ep.across_seeds({0: float("nan"), 1: float("nan")}, {0: "no correct off-policy decision"})
+    cells = [c.strip() for c in ep._cell(nothing).split("|")]
+    assert cells[:3] == ["no seed with a value", "", "0; none: 0, 1"] and len(cells) == 5  # mean, SD, seeds, p, p
+    assert ep.why_none(ep.Decisions(np.array([]), np.array([]), np.array([], dtype=bool))) == \
+        "no correct off-policy decision"
+    one = ep.Decisions(np.full(3, 0.5), np.ones(3), np.zeros(3, dtype=bool))
+    assert ep.why_none(one) == "its 3 decision(s) share one advantage, 0.5: no slope"
+    assert ep.why_none(ep.Decisions(np.array([0.5, 0.25]), np.zeros(2), np.zeros(2, dtype=bool))) == "no finite value"
+    assert "never differed" not in ep.reading("E1", ep.across_seeds(dict.fromkeys(range(4), 0.0)), float("nan"))
+
+
 @pytest.mark.parametrize("values, expected", [
     ([0.0] * 16, "inconclusive: every one of the 16 seeds' values is exactly 0"),
     ([-0.25] * 16, "inconclusive by the plan's rules, whose t test is undefined without spread: every one of the 16 "

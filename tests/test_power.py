@@ -81,3 +81,15 @@ def test_the_smallest_effect_has_the_power_it_promises(tmp_path):
                       rng=np.random.default_rng(8))
     assert got["E1"] == pytest.approx(0.8, abs=0.05)
     assert pw.smallest_effect(sd, 20) < d  # more seeds, smaller effects
+
+
+def test_the_command_reads_each_arms_runs_and_not_their_rehearsals(tmp_path, capsys):
+    """gapo-sweep --rehearse leaves seedN-rehearsal beside seedN: it is no pilot run (its 2 steps would enter the
+    resampled steps, and the spread)."""
+    rng = np.random.default_rng(4)
+    for arm in ("gapo", "gspo_sym"):
+        pilot_run(tmp_path / arm / "seed100", rng)
+        (tmp_path / arm / "seed100-rehearsal").mkdir()  # no metrics: read as a run, it would end the command
+    assert pw.main([str(tmp_path), "--seeds", "10", "--sims", "20"]) == 0
+    out = capsys.readouterr().out
+    assert "pilot: gapo ['seed100'], gspo_sym ['seed100']; 6 + 6 steps" in out

@@ -159,7 +159,9 @@ def why_none(d: Decisions) -> str:
     """Why a run's decisions give no slope (E1, E3) or share."""
     if not len(d):
         return "no correct off-policy decision"
-    return f"its {len(d)} decision(s) share one advantage, {d.adv[0]:.3g}: no slope"
+    if np.ptp(d.adv) == 0:
+        return f"its {len(d)} decision(s) share one advantage, {d.adv[0]:.3g}: no slope"
+    return "no finite value"
 
 
 @dataclass(frozen=True)
@@ -213,7 +215,7 @@ def clip_model(runs: dict[str, dict[int, Decisions]], reference: str, level: flo
 def _cell(a: AcrossSeeds) -> str:
     none = f"; none: {', '.join(map(str, a.without))}" if a.without else ""
     if not a.seeds:
-        return f"no seed with a value | 0{none} | | | "
+        return f"no seed with a value | | 0{none} | | "
     return (f"{a.mean:+.4g} [{a.lo:+.4g}, {a.hi:+.4g}] | {a.sd:.3g} | {len(a.seeds)} ({', '.join(map(str, a.seeds))})"
             f"{none} | {a.p_t:.3g} | {a.p_flip:.3g}")
 
@@ -240,8 +242,9 @@ def reading(endpoint: str, a: AcrossSeeds, p_holm: float, e1_margin: float | Non
     sign = PREDICTED[endpoint]
     if len(a.seeds) > 1 and np.ptp(a.values) == 0:  # the t test is undefined: say what the seeds show instead
         if a.values[0] == 0:
-            return (f"inconclusive: every one of the {len(a.seeds)} seeds' values is exactly 0 (the rules never "
-                    "differed on it), so there is no effect to read and no interval")
+            return (f"inconclusive: every one of the {len(a.seeds)} seeds' values is exactly 0"
+                    + (" (the rules never differed on it)" if endpoint != "E1" else "")
+                    + ", so there is no effect to read and no interval")
         return (f"inconclusive by the plan's rules, whose t test is undefined without spread: every one of the "
                 f"{len(a.seeds)} seeds' values is {a.values[0]:+.4g} (sign-flip p {a.p_flip:.3g})")
     if not a.seeds or not math.isfinite(a.p_t) or not math.isfinite(p_holm):
@@ -297,7 +300,7 @@ def report(groups: dict[str, dict[int, Path]], fixed_eps_hi: dict[str, float], c
             rows.append((f"E1 log-ratio slope on (k-c)/k{tag(label == control)}", label,
                          across_seeds({s: v["log ratio"] for s, v in e1.items()}, why[label])))
             if control is not None and label == control:  # the same ratios judged under each fixed bound
-                for eps_hi in fixed_eps_hi.values():
+                for eps_hi in dict.fromkeys(fixed_eps_hi.values()):  # two rules at one bound: one row
                     key = f"P(clip) at 1 + {eps_hi:g}"  # the plan names the control's own bound; others: exploratory
                     kind = "secondary" if eps_hi == fixed_eps_hi.get(control) else "exploratory"
                     rows.append((f"E1 {key} slope{tag(False, kind)}", label,
@@ -331,7 +334,8 @@ def report(groups: dict[str, dict[int, Path]], fixed_eps_hi: dict[str, float], c
         if found != set(PREDICTED):
             missing = ", ".join(sorted(set(PREDICTED) - found))
             lines.insert(4, f"The plan's primary family is incomplete here ({missing} without runs or without a p): "
-                            "counted as p = 1 in Holm (conservative), read as not estimable.")
+                            "counted as p = 1 in Holm (conservative), read as not estimable, or in words where its "
+                            "seeds show no spread.")
     for i, ((name, label, a), p) in enumerate(zip(rows, adjusted, strict=True)):
         held = i in family and math.isfinite(a.p_t)
         lines.append(f"| {name} | {label} | {_cell(a)} | {p:.3g} | {f'{family[i]:.3g}' if held else ''} |")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=16, help="steps of a planned run (the synthetic runs' length)")
     a = ap.parse_args(argv)
-    runs = {arm: sorted((a.root / arm).glob("seed*")) for arm in (a.treated, a.control)}
+    runs = {arm: sorted(p for p in (a.root / arm).glob("seed*") if re.fullmatch(r"seed\d+", p.name))  # no rehearsal
+            for arm in (a.treated, a.control)}
     if not all(runs.values()):
         print(f"power: {a.root}: no seed*/ runs under {[arm for arm, r in runs.items() if not r]}", file=sys.stderr)
         return Exit.CONFIG
