@@ -513,10 +513,16 @@ def test_a_step_past_the_deadline_is_abandoned_twice_and_the_run_resumes_exactly
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 256 MiB tmpfs (where the machine lets us mount one: as root, like our CI), else None."""
+    """A 256 MiB tmpfs (where the machine lets us mount one: as root, like our CI), else None. Our CI runs as root (its
+    SLURM tier needs it, GAPO_REQUIRE_SLURM=1): there a failed mount fails, so the real full disk is not quietly
+    replaced by the injected error."""
     d = tmp_path / "small"
     d.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m", "tmpfs", str(d)], capture_output=True).returncode:
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m", "tmpfs", str(d)], capture_output=True, text=True)
+    if r.returncode:
+        if os.environ.get("GAPO_REQUIRE_SLURM") == "1" or os.environ.get("CI") == "true":
+            pytest.fail(f"GAPO_REQUIRE_SLURM=1 / CI=true: cannot mount a tmpfs for the full-disk test: {r.stderr}",
+                        pytrace=False)
         yield None
         return
     try:

@@ -60,7 +60,7 @@ def declared(check) -> list[str]:
 
 def test_without_a_gpu_the_whole_table_is_written_every_row_skips_and_it_exits_0(check, monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(check.torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(check, "gpus_on_host", lambda: 0)
+    monkeypatch.setattr(check, "gpus_on_host", lambda: (0, ""))
     assert check.main(["--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "check.json").read_text())
     assert [x["check"] for x in rows] == declared(check)
@@ -72,11 +72,36 @@ def test_without_a_gpu_the_whole_table_is_written_every_row_skips_and_it_exits_0
 def test_a_gpu_that_torch_cannot_see_fails_the_device_row(check, monkeypatch, tmp_path):
     """A CPU build of torch on a GPU host: not "nothing to check" (SKIP, exit 0) but a FAIL, exit 1."""
     monkeypatch.setattr(check.torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(check, "gpus_on_host", lambda: 8)
+    monkeypatch.setattr(check, "gpus_on_host", lambda: (8, ""))
     assert check.main(["--out", str(tmp_path)]) == 1
     rows = json.loads((tmp_path / "check.json").read_text())
     assert rows[0]["check"] == "CUDA device" and rows[0]["status"] == "FAIL" and "8 GPU" in rows[0]["value"]
     assert {x["status"] for x in rows[1:]} == {"SKIP"}
+
+
+def test_a_failing_nvidia_smi_is_no_proof_of_no_gpu(check, monkeypatch, tmp_path):
+    """A driver that does not match its kernel module makes nvidia-smi exit non-zero and list nothing: FAIL, exit 1."""
+    import subprocess
+
+    monkeypatch.setattr(check.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
+        a[0], 9, "", "Failed to initialize NVML: Driver/library version mismatch"))
+    assert check.gpus_on_host() == (0, "nvidia-smi -L exited 9: Failed to initialize NVML: Driver/library version "
+                                       "mismatch")
+    assert check.main(["--out", str(tmp_path)]) == 1
+    rows = json.loads((tmp_path / "check.json").read_text())
+    assert rows[0]["status"] == "FAIL" and "version mismatch" in rows[0]["value"], rows[0]
+
+
+def test_a_vllm_installed_but_broken_fails_rather_than_skips(check, monkeypatch):
+    import importlib.util
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm fails ...
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real(name, *a))
+    why = check.vllm_missing(cpu_smoke=True)  # ... though it is installed
+    assert why.startswith("needs vLLM: vLLM is installed but not importable")
+    assert [r[:2] for r in check.ROWS] == [("FAIL", "vLLM import")]
 
 
 def test_a_step_that_raises_fails_its_unwritten_rows_and_the_next_step_runs(check):

@@ -8,7 +8,9 @@ Rows, each PASS or FAIL against what it must show, SKIP (with why) where it did 
 runs in its own try/except: an error is a FAIL of the rows it had not written yet, with the message, and the table and
 check.json are written whatever happens. On a machine without a GPU every row reads SKIP and the script exits 0;
 on one whose GPU torch cannot see, the device row fails.
-0. CUDA device: one torch can use (FAIL when nvidia-smi lists a GPU torch does not see: a CPU build of torch).
+0. CUDA device: one torch can use (FAIL when nvidia-smi lists a GPU torch does not see: a CPU build of torch; FAIL too
+   when nvidia-smi fails, or is missing beside /dev/nvidia* nodes: then nothing says the host has no GPU). A vLLM that
+   is installed but does not import is a FAIL of its own ("vLLM import"), not a SKIP.
 1. model shape: the largest Qwen2.5 shape (1.5B, else 0.5B) whose step the memory plan puts within 85 % of the GPU
    (a fixed 1.5B shape died at row 1 on a 24 GB GPU); SKIP, and so every row needing it, if none fits.
 2. rl step: gapo's loop, DeepSpeed actor in bf16 with fp32 accumulation and gradient checkpointing, token-budget
@@ -21,17 +23,20 @@ on one whose GPU torch cannot see, the device row fails.
    The push probe's bf16 difference on this device (transformers' forward against DeepSpeed's, two kernels): what
    the bf16 probe calibrates on (INFO on how it compares with the floor); every push verified.
 3. offloaded optimizer (no vLLM needed): the one-GPU recipe's trainer path, ZeRO-2 with the optimizer on the host
-   (pinned buffers, torch's fused CPU AdamW on the rank's share of the cores), two short steps at the same shape;
-   peak GPU and host memory against the plan (GPU only).
+   (pinned buffers, torch's fused CPU AdamW on the rank's share of the cores), two short steps at the same shape: every
+   optimizer step seen from torch (a global step pre-hook: its count, its tensors on the host, its threads); peak GPU
+   and host memory against the plan (GPU only).
 4. LoRA (no vLLM needed): tests/dist/dist_lora_check.py on this device: the adapters' gradient through the DeepSpeed
    actor (bf16 layers computing with the merged weight they push) against the same merge in plain torch (1 %) and PEFT's
    fp32 forward (6 %).
-5. NaN step: a non-finite loss is skipped: weights, optimizer state and learning rate untouched.
-6. vLLM (SKIP without a vLLM for this device): the engine's weights are zeroed (vLLM's reset_weights), then the
-   actor's gathered weights are pushed through gapo.trainer.sync (names, version and probe verified): the first
-   tokens must equal those before the reset, and on a GPU vLLM's weight checksums those before it; a sleep/wake cycle
-   around a push. Then the engine is closed (VLLMEngine.close): its at-leave entry gone, its model collected, and on a
-   GPU as much free memory as the gapo-train rows' vLLM asks for (after emptying PyTorch's cache).
+5. NaN step: after a finite step that is applied and moves the weights (the control), a non-finite loss is skipped:
+   weights and learning rate untouched.
+6. vLLM (SKIP without a vLLM for this device): the engine's weights are zeroed (vLLM's reset_weights), which must
+   change the tokens, then the actor's gathered weights are pushed through gapo.trainer.sync (names, version and probe
+   verified): the first tokens must equal those before the reset, and on a GPU vLLM's weight checksums those before
+   it; a sleep/wake cycle around a push, the sleep freeing at least the weights' memory. Then the engine is closed
+   (VLLMEngine.close): its at-leave entry gone, its model collected, and on a GPU as much free memory as the gapo-train
+   rows' vLLM asks for (after emptying PyTorch's cache).
 7. gapo-train end to end on every GPU of the node (tiny-qwen2, GQA, bf16, ZeRO-3 when there are two or more: the
    NCCL start and ZeRO-3's gather into vLLM): exit 0, every push verified, no traceback on the console.
 8. one-GPU recipe: configs/qwen_math_1gpu.yaml's rollout and trainer settings (optimizer offload, vLLM sleep mode, its
@@ -123,13 +128,20 @@ def free_memory() -> None:
 
 
 # ------------------------------------------------------------------------------------------------- dependencies
-def gpus_on_host() -> int:
-    """GPUs the NVIDIA driver lists, whatever torch sees: a GPU host whose torch cannot see them must fail, not skip."""
+def gpus_on_host() -> tuple[int, str]:
+    """(GPUs the NVIDIA driver lists, whatever torch sees; why that count cannot be trusted, '' when it can): a GPU
+    host whose torch cannot see them must fail, not skip, and so must one whose nvidia-smi fails (a driver that does
+    not match the kernel module lists nothing), or that has device nodes and no nvidia-smi."""
+    nodes = sorted(str(p) for p in Path("/dev").glob("nvidia[0-9]*"))
     try:
         r = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
-        return 0
-    return sum(line.startswith("GPU ") for line in r.stdout.splitlines())
+    except FileNotFoundError:
+        return 0, f"no nvidia-smi, but {', '.join(nodes)} exist" if nodes else ""
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return 0, f"nvidia-smi -L failed: {type(err).__name__}: {err}"
+    if r.returncode:
+        return 0, f"nvidia-smi -L exited {r.returncode}: {(r.stdout + r.stderr).strip()[-300:]}"
+    return sum(line.startswith("GPU ") for line in r.stdout.splitlines()), ""
 
 
 def device_gib() -> float:
@@ -138,11 +150,17 @@ def device_gib() -> float:
 
 def vllm_missing(cpu_smoke: bool) -> str:
     """Why the vLLM rows cannot run with this Python ('' when they can): no vLLM, or one built for another device."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return "needs vLLM: not installed for this Python"
     try:
         import vllm
         from vllm.platforms import current_platform
-    except Exception as err:  # noqa: BLE001 (a broken install is as missing as none)
-        return f"needs vLLM: not importable ({type(err).__name__}: {err})"[:400]
+    except Exception as err:  # noqa: BLE001 (installed and broken: a FAIL of its own, and its rows cannot run)
+        why = f"vLLM is installed but not importable ({type(err).__name__}: {err})"[:400]
+        row("vLLM import", why, "importable where installed", False)
+        return f"needs vLLM: {why}"
     if not cpu_smoke and not current_platform.is_cuda_alike():
         return f"needs a CUDA vLLM: vLLM {vllm.__version__} here is for {current_platform.device_type or 'the CPU'}"
     return ""
@@ -167,10 +185,13 @@ def device_row(state: dict) -> None:
     else:
         seen = TORCH_MISSING or f"torch {torch.__version__}{' (a CPU build)' if torch.version.cuda is None else ''} " \
                                 "sees no CUDA device"
-        gpus = gpus_on_host()
+        gpus, broken = gpus_on_host()
         if gpus:
             row(check, f"nvidia-smi lists {gpus} GPU(s) but {seen}: use a Python whose torch has CUDA (check.sh "
                 "prefers .venv only when it does)", "a device torch can use", False)
+        elif broken:
+            row(check, f"{seen}, and whether this host has a GPU is unknown: {broken}", "a device torch can use",
+                False)
         else:
             skip(check, f"no GPU on this host ({seen}; nvidia-smi lists none)")
 
@@ -236,13 +257,18 @@ def offload_step(state: dict) -> None:
 
     res = rl_steps.run(state["cpu_smoke"], new_tokens=128, prompts=4, out=state["out"] / "offload",
                        shape=state.get("shape", ""), model=state["model_dir"], offload=True)
-    share = int(os.environ.get("OMP_NUM_THREADS", "0"))
+    share = int(os.environ.get("OMP_NUM_THREADS", "0"))  # what gapo.distributed.share_cores gave this rank (main)
     skipped = int(sum(x["skipped"] for x in res["steps"]))
+    ran = res["optimizer_steps"]  # measured inside each optimizer step (rl_steps.run's hook)
+    where = sorted({(x["optimizer"], x["device"], x["threads"]) for x in ran})
     row("offloaded optimizer: 2 steps, hf engine",
-        f"ZeRO-{res['zero_stage']}, {res['threads']} threads for the fused CPU AdamW ({share} shared to this rank), "
-        f"skipped {skipped}, train " + ", ".join(f"{x['train_s']:.1f}" for x in res["steps"]) + " s per step",
-        "both steps applied, the optimizer on the rank's share of the cores",
-        skipped == 0 and res["zero_stage"] == 2 and res["threads"] == share)
+        f"{len(res['steps'])} steps logged, skipped {skipped}; {len(ran)} optimizer steps ran as "
+        + "; ".join(f"{name} on {device} tensors with {n} threads" for name, device, n in where)
+        + f" ({share} shared to this rank; ZeRO-{res['zero_stage']} configured), train "
+        + ", ".join(f"{x['train_s']:.1f}" for x in res["steps"]) + " s per step",
+        "both steps applied, each optimizer step on host tensors with the rank's share of the cores",
+        len(res["steps"]) == 2 and skipped == 0 and len(ran) == 2 * res["updates_per_step"]
+        and all(x["device"] == "cpu" and x["threads"] == share for x in ran))
     if res["peak_gib"] is None:
         skip("offloaded optimizer: peak GPU memory vs plan", "no CUDA allocator on the CPU")
         skip("offloaded optimizer: peak host memory vs plan", "on the CPU the host holds everything, not the offload")
@@ -298,13 +324,20 @@ def nan_step(state: dict) -> None:
         loss = -(lp * mb.resp_mask).sum() / 12.0
         return bool(actor.backward(loss * float("nan") if poison else loss))
 
-    step(False)
+    def norms() -> dict[str, float]:
+        return {n: float(t.detach().float().norm()) for n, t in actor.gathered_weights()}
+
+    start = norms()
+    normal = step(False)  # the control: a finite step is applied and moves the weights, or "untouched" means nothing
     before = {n: t.detach().float().clone() for n, t in actor.gathered_weights()}
+    moved = sum(start[n] != float(t.norm()) for n, t in before.items())
     lr = actor.lr()
     applied = step(True)
     same = all(torch.equal(before[n], t.detach().float()) for n, t in actor.gathered_weights())
-    row("NaN step skipped", f"applied {applied}, weights untouched {same}, lr {lr:g} -> {actor.lr():g}",
-        "not applied, weights and lr unchanged", not applied and same and actor.lr() == lr)
+    row("NaN step skipped", f"finite step applied {normal} ({moved} of {len(before)} tensors moved); NaN step applied "
+        f"{applied}, weights untouched {same}, lr {lr:g} -> {actor.lr():g}",
+        "the finite step applied; the NaN step not, weights and lr unchanged",
+        normal and moved > 0 and not applied and same and actor.lr() == lr)
 
 
 def _model_ref(worker) -> weakref.ref:
@@ -366,6 +399,7 @@ def _push_cycle(engine, model_dir: str, dtype: str, gpu: bool) -> None:
 
     first, sums = tokens(), checksums()
     engine.llm.collective_rpc("reset_weights")  # zeroed: a push that delivers nothing cannot pass
+    reset = tokens() != first  # ... provided the reset changed what the engine samples
     tic = time.perf_counter()
     try:
         pushed = sync.push(engine, actor, 1, sync.Probe.of(engine.tokenizer, cfg, pad_id=0))
@@ -374,19 +408,26 @@ def _push_cycle(engine, model_dir: str, dtype: str, gpu: bool) -> None:
         pushed, error = None, str(err)
     push_s = time.perf_counter() - tic
     params = sum(p.numel() for p in actor.module.parameters())
-    row("vLLM weight push into zeroed weights", f"{push_s:.2f} s for {params / 1e9:.2f} B params"
-        + (f", probe diff {pushed.probe_diff:.2g}" if pushed else f": {error}"),
-        "verified by gapo.trainer.sync, and the first tokens equal those before the reset",
-        pushed is not None and tokens() == first)
+    # On the CPU vLLM computes linear layers from repacked copies that reset_weights does not zero: there the reset
+    # reaches the embeddings and norms only, and tests/test_sync.py's receipt checks (a dropped tensor) the rest.
+    row("vLLM weight push into zeroed weights", f"reset changed the tokens {reset}; {push_s:.2f} s for "
+        f"{params / 1e9:.2f} B params" + (f", probe diff {pushed.probe_diff:.2g}" if pushed else f": {error}"),
+        "the reset changes the tokens; the push is verified by gapo.trainer.sync and brings back the first tokens",
+        reset and pushed is not None and tokens() == first)
     if gpu:  # vLLM keeps checkpoint-layout weights on a GPU; on the CPU it repacks linear weights, so no checksums
         row("vLLM weight checksums after the push", "equal" if checksums() == sums else "differ",
             "equal to those before the reset", checksums() == sums)
     else:
         skip("vLLM weight checksums after the push", "vLLM on the CPU repacks linear weights out of its parameters")
     if gpu:  # GPU only; unverified before this script ran on one
+        awake = torch.cuda.mem_get_info()[0]
         engine.sleep()
+        freed = torch.cuda.mem_get_info()[0] - awake  # vLLM unmaps with the driver: free memory as the driver sees it
+        weights = params * 2
         sync.push(engine, actor, 2, None)  # wakes weights, pushes, wakes the KV cache
-        row("vLLM sleep / wake", "sleep(level=2), push, wake", "the same tokens after the cycle", tokens() == first)
+        row("vLLM sleep / wake", f"sleep(level=2) freed {freed / 2**30:.2f} GiB (weights {weights / 2**30:.2f} GiB), "
+            "push, wake", "sleep frees at least the weights; the same tokens after the cycle",
+            freed >= weights and tokens() == first)
     else:
         skip("vLLM sleep / wake", "vLLM refuses sleep mode on the CPU")
 

@@ -135,10 +135,26 @@ def run(cpu_smoke: bool, new_tokens: int, prompts: int, out: Path, shape: str = 
         torch.cuda.reset_peak_memory_stats()
     host_before = host_rss()
     reset_host_peak()
+    # Each optimizer step as it runs, seen from torch (a global pre-hook, whatever wraps the optimizer): what check.py
+    # judges the offload by is then measured, not read back from the config: how many steps ran, on which device the
+    # optimizer's tensors were, with how many threads.
+    seen: list[dict] = []
+
+    def on_step(optimizer, args, kwargs) -> None:
+        first = next(p for g in optimizer.param_groups for p in g["params"])
+        seen.append({"optimizer": type(optimizer).__name__, "device": first.device.type,
+                     "threads": torch.get_num_threads()})
+
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    hook = register_optimizer_step_pre_hook(on_step)
     # In this process (its peak memory is read below), --verbose: without it gapo-train points this process's
     # stdout and stderr at the run's train.log for good, and the check's table would go there too.
-    if train_main(["--config", str(out / "rl_steps.yaml"), "--verbose"]):
-        raise RuntimeError("gapo-train failed")
+    try:
+        if train_main(["--config", str(out / "rl_steps.yaml"), "--verbose"]):
+            raise RuntimeError("gapo-train failed")
+    finally:
+        hook.remove()
     rows = [json.loads(x) for x in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     rows = [x for x in rows if "reward/mean" in x]
     facts = json.loads((model / "config.json").read_text())
@@ -157,7 +173,8 @@ def run(cpu_smoke: bool, new_tokens: int, prompts: int, out: Path, shape: str = 
     from gapo.memory import memory_plan
 
     return {"params": params, "rollouts": rollouts, "new": new, "steps": steps, "peak_gib": peak,
-            "plan_gib": predicted / 2**30, "model_dir": str(model), "threads": torch.get_num_threads(),
+            "plan_gib": predicted / 2**30, "model_dir": str(model), "optimizer_steps": seen,
+            "updates_per_step": rollouts // cfg.trainer.ppo_mini_batch_size * cfg.trainer.ppo_epochs,
             "host_gib": (host_rss(peak=True) - host_before) / 2**30, "zero_stage": cfg.zero_stage(1),
             "plan_host_gib": memory_plan(cfg, facts, world=1, device_gb=device_gib()).host_states / 2**30}
 
