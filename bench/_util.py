@@ -6,10 +6,12 @@ run, alternating, with the median over repetitions.
 
 from __future__ import annotations
 
+import json
 import statistics
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import psutil
 
@@ -29,17 +31,23 @@ def run_sampled(cmd: list[str], *, env: dict | None = None, cwd: str | None = No
     Memory is the sum of PSS (proportional set size), not RSS: forked workers share the parent's pages
     copy-on-write, and summing their RSS would count those pages once per process."""
     proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    peak = 0
+    peak, read = 0, 0
     done = threading.Event()
 
     def sample() -> None:
-        nonlocal peak
-        root = psutil.Process(proc.pid)
+        nonlocal peak, read
         while not done.is_set():
+            total = 0
             try:
-                total = sum(pss(p.pid) for p in [root, *root.children(recursive=True)])
-            except (psutil.Error, OSError):  # a child exited between listing and reading: take the next sample
-                total = 0
+                tree = [proc.pid, *(p.pid for p in psutil.Process(proc.pid).children(recursive=True))]
+            except psutil.Error:  # the command has exited
+                tree = []
+            for pid in tree:
+                try:
+                    total += pss(pid)
+                    read += 1
+                except OSError:  # that process exited between listing and reading: the others still count
+                    pass
             peak = max(peak, total)
             time.sleep(interval_s)
 
@@ -50,7 +58,35 @@ def run_sampled(cmd: list[str], *, env: dict | None = None, cwd: str | None = No
     sampler.join()
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{err[-3000:]}")
+    if not read:  # a peak of 0 GiB would read as a measurement
+        raise RuntimeError(f"{' '.join(cmd)}: no memory sample could be read (/proc/PID/smaps_rollup)")
     return out, peak / 2**30
+
+
+def cached_arm(done: Path, cmd: list[str]) -> dict | None:
+    """A finished arm's result from an earlier run with the same --work, only if that run was this very command at
+    this very commit (a changed --lora-lr, step count or code runs the arm again); the console says which it is."""
+    key = {"command": cmd, "commit": _commit()}
+    if done.exists():
+        saved = json.loads(done.read_text())
+        if {k: saved.get(k) for k in key} == key:
+            print(f"(reused: {done}, the same command at commit {key['commit']})", flush=True)
+            return saved["result"]
+        print(f"({done} is from another command or commit: running the arm again)", flush=True)
+    return None
+
+
+def save_arm(done: Path, cmd: list[str], result: dict) -> None:
+    done.write_text(json.dumps({"command": cmd, "commit": _commit(), "result": result}))
+
+
+def _commit() -> str:
+    """The code's version: HEAD, with "+changes" when the work tree differs from it."""
+    root = Path(__file__).resolve().parents[1]
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True,
+                           text=True).stdout.strip()
+    return (head or "unknown") + ("+changes" if dirty else "")
 
 
 def cpu_line() -> str:

@@ -89,7 +89,8 @@ def compare(out: Path) -> None:
     diffs = [abs(p - q) for x, y in same for p, q in zip(x[1], y[1], strict=True)]
     print(json.dumps({"start_s": [a["start_s"], b["start_s"]], "generate_s": [a["step_s"], b["step_s"]],
                       "adapter_load_s": b["load_s"], "same_tokens": f"{len(same)}/{len(a['samples'])}",
-                      "mean_abs_logprob_diff": sum(diffs) / max(1, len(diffs))}))
+                      # no token sampled alike in both: no difference measured (null), not a difference of 0
+                      "mean_abs_logprob_diff": sum(diffs) / len(diffs) if diffs else None}))
 
 
 if __name__ == "__main__":

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 from pathlib import Path
 
-from _util import cpu_line, median, run_sampled
+from _util import cached_arm, cpu_line, median, run_sampled, save_arm
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,12 +38,13 @@ def dir_mb(path: Path) -> float:
 
 def run_arm(work: Path, name: str, overrides: list[str], steps: int) -> dict:
     out = work / name.replace(" ", "_")
-    done = out / "bench_result.json"  # a rerun with the same --work reports finished arms without running them again
-    if done.exists():
-        return json.loads(done.read_text(),
-                          object_hook=lambda d: {int(k) if k.isdigit() else k: v for k, v in d.items()})
+    done = out / "bench_result.json"  # a rerun with the same --work and command reports the arm without running it
     cmd = [str(ROOT / ".venv" / "bin" / "gapo-train"), "--config", str(ROOT / "configs" / "demo_cpu.yaml"),
            f"trainer.output_dir={out}", f"trainer.total_steps={steps}", f"trainer.eval_every={steps // 2}", *overrides]
+    cached = cached_arm(done, cmd)
+    if cached is not None:
+        return {**cached, "val": {int(k): v for k, v in cached["val"].items()}}  # (JSON keys are strings)
+    shutil.rmtree(out, ignore_errors=True)  # another command's or an interrupted run's directory: start clean
     print("$", " ".join(cmd[1:]), flush=True)
     _, peak = run_sampled(cmd, cwd=str(ROOT))
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -56,7 +58,7 @@ def run_arm(work: Path, name: str, overrides: list[str], steps: int) -> dict:
               "push_s": median([train[s]["time/weight_push_s"] for s in range(2, steps + 1)]),
               "peak_gb": peak, "ckpt_mb": dir_mb(out / "checkpoints"), "val": val,
               "reward": [train[s]["reward/mean"] for s in range(1, steps + 1)]}
-    done.write_text(json.dumps(result))
+    save_arm(done, cmd, result)
     return result
 
 

@@ -31,11 +31,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import sys
 import tempfile
 from pathlib import Path
 
-from _util import cpu_line, median, run_sampled
+from _util import cached_arm, cpu_line, median, run_sampled, save_arm
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -62,11 +63,13 @@ NODE_GPUS = 8           # every paper config runs on 1 node x 8 GPUs (their firs
 
 def run_arm(work: Path, name: str, nproc: int, overrides: list[str], steps: int) -> dict:
     out = work / name.replace(" ", "_").replace("=", "")
-    done = out / "bench_result.json"  # a rerun with the same --work reports finished arms without running them again
-    if done.exists():
-        return json.loads(done.read_text())
+    done = out / "bench_result.json"  # a rerun with the same --work and command reports the arm without running it
     cmd = [str(ROOT / ".venv" / "bin" / "gapo-train"), "--config", str(ROOT / "configs" / "demo_cpu.yaml"),
            "--nproc", str(nproc), f"trainer.output_dir={out}", f"trainer.total_steps={steps}", *COMMON, *overrides]
+    cached = cached_arm(done, cmd)
+    if cached is not None:
+        return cached
+    shutil.rmtree(out, ignore_errors=True)  # another command's or an interrupted run's directory: start clean
     print("$", " ".join(cmd[1:]), flush=True)
     _, peak = run_sampled(cmd, cwd=str(ROOT))
     rows = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
@@ -80,7 +83,7 @@ def run_arm(work: Path, name: str, nproc: int, overrides: list[str], steps: int)
               "phases": {p: median([rows[s][f"time/{p}_s"] for s in later])
                          for p in PHASES if f"time/{p}_s" in rows[steps]},
               "peak_gb": peak}
-    done.write_text(json.dumps(result))
+    save_arm(done, cmd, result)
     return result
 
 

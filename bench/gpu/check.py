@@ -238,7 +238,9 @@ def rl_step(state: dict) -> None:
     row("reward scoring errors", ", ".join(f"{e:g}" for e in errors), "0 (math-verify scored every answer)",
         all(e == 0.0 for e in errors))
     devs = [x["first_dev"] for x in res["steps"]]
-    row("first mini-batch IS deviation", ", ".join(f"{d:g}" for d in devs), "exactly 0", all(d == 0.0 for d in devs))
+    # (the metric reads 0 for a mini-batch without tokens too: each step must have trained on some)
+    row("first mini-batch IS deviation", ", ".join(f"{d:g}" for d in devs), "exactly 0, over steps with tokens",
+        all(d == 0.0 for d in devs) and all(x["tokens_per_s"] > 0 for x in res["steps"]))
     from gapo.trainer.sync import BF16_FLOOR
 
     probes = [x["probe_diff"] for x in res["steps"]]
