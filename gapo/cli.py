@@ -57,6 +57,11 @@ def train_main(argv: list[str] | None = None) -> int:
             from gapo.rollout.transport import transport_named
 
             transport_named(cfg.rollout.transport)  # a name no transport has, before any rank starts
+        from gapo.evaluation import check_benchmarks
+        from gapo.reward.registry import rewarder
+
+        rewarder(cfg.data.type)  # names that only the ranks would read, after loading the model: checked here
+        check_benchmarks(cfg.eval.benchmarks)
     except ConfigError as err:
         print(f"gapo-train: {err}", file=sys.stderr)
         return Exit.CONFIG
@@ -65,12 +70,21 @@ def train_main(argv: list[str] | None = None) -> int:
     planned_for = "as given" if args.nproc else "the config's own command; --nproc N plans another"
     if args.nproc is None and (args.print_config or args.plan is not None):
         args.nproc = written_for(args.config)
+    if args.nproc is not None and args.nproc < 1:
+        print(f"gapo-train: --nproc {args.nproc}: expected a number of ranks, at least 1", file=sys.stderr)
+        return Exit.CONFIG
     args.nproc = args.nproc or 1
     trainers = args.nproc - cfg.rollout.generator_ranks
     if (args.print_config or args.plan is not None) and trainers < 1:
         print(f"gapo-train: rollout.generator_ranks={cfg.rollout.generator_ranks} of --nproc {args.nproc} leaves no "
               "training rank; expected fewer generator ranks than --nproc", file=sys.stderr)
         return Exit.CONFIG
+    if trainers >= 1 and "RANK" not in os.environ:
+        try:  # how a step splits on the training ranks: a batch that does not divide is named before any rank starts
+            cfg.shape(trainers)
+        except ConfigError as err:
+            print(f"gapo-train: --nproc {args.nproc}: {err}", file=sys.stderr)
+            return Exit.CONFIG
     if args.print_config:
         from gapo.memory import plan_text
 
@@ -88,8 +102,10 @@ def train_main(argv: list[str] | None = None) -> int:
 
         try:
             sizes = [float(x) for x in args.plan.split(",")]
+            if not all(0 < g < float("inf") for g in sizes):
+                raise ValueError
         except ValueError:
-            print(f"gapo-train: --plan {args.plan}: expected GPU sizes in GB separated by commas, e.g. 24,48",
+            print(f"gapo-train: --plan {args.plan}: expected positive GPU sizes in GB separated by commas, e.g. 24,48",
                   file=sys.stderr)
             return Exit.CONFIG
         with contextlib.redirect_stdout(sys.stderr):  # libraries that a built-in model loads print to stdout

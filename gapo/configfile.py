@@ -62,7 +62,12 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
     key, raw = item.split("=", 1)
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override {item!r}: empty key path")
-    value = read_yaml(raw) if raw != "" else ""
+    try:
+        value = read_yaml(raw) if raw != "" else ""
+    except yaml.YAMLError as err:
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"override {item!r}: the value is not valid YAML ({problem}); to pass it as text, quote it "
+                          f"inside the shell's quotes: '{key}=\"{raw}\"'") from None
     if isinstance(value, str) and _FLOAT.fullmatch(value):  # YAML 1.1 reads 2e-6 (no dot) as a string
         value = float(value)
     return key.split("."), value
@@ -140,7 +145,7 @@ def resolve(raw: dict | None = None, overrides: list[str] | tuple[str, ...] = ()
     if not isinstance(algo, dict):
         raise ConfigError(f"algorithm: expected a mapping, got {algo!r}")
     name = algo.get("name", "gapo")
-    if name not in PRESETS:
+    if not isinstance(name, str) or name not in PRESETS:
         raise ConfigError(f"algorithm.name: unknown algorithm {name!r}; allowed: {', '.join(PRESETS)}")
     if "name" in cli_algo and name != file_algo.get("name", "gapo"):
         dropped = sorted(k for k in PRESET_SWITCHES if k in file_algo and k not in cli_algo)
@@ -150,7 +155,8 @@ def resolve(raw: dict | None = None, overrides: list[str] | tuple[str, ...] = ()
         algo = {k: v for k, v in algo.items() if k not in dropped}
     merged = {**preset_switches(name, algo), **{k: v for k, v in algo.items() if v is not None}}
     # Configs written before each rule had its own shape carry both upper fields, always equal: keep the rule's.
-    own = RULES[merged["clip"]].upper_field if merged.get("clip") in RULES else UPPER_FIELDS[0]
+    clip = merged.get("clip")
+    own = RULES[clip].upper_field if isinstance(clip, str) and clip in RULES else UPPER_FIELDS[0]
     other = UPPER_FIELDS[1 - UPPER_FIELDS.index(own)]
     if other in merged and merged[other] == merged.get(own):
         del merged[other]
@@ -207,14 +213,18 @@ def read_config_file(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:
     if file in _seen:
         raise ConfigError(f"{file}: `base` chain loops back to itself")
     try:
-        raw = read_yaml(file.read_text()) or {}
+        raw = read_yaml(file.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as err:
         raise ConfigError(f"{file}: not valid YAML: {err}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{file}: not UTF-8 text ({err.reason} at byte {err.start}): is it a config file?") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{file}: expected a mapping of sections, got {type(raw).__name__}")
     base = raw.pop("base", None)
     if base is None:
         return raw
+    if not isinstance(base, str):
+        raise ConfigError(f"{file}: base: expected the name or path of another config file, got {base!r}")
     near = file.parent / base
     return _merge(read_config_file(near if near.is_file() else base, (*_seen, file)), raw)
 
@@ -284,6 +294,8 @@ def load_plugins(plugins: Any) -> list[str]:
                 spec.loader.exec_module(module)
             except (ValueError, ConfigError) as err:  # a register() that refused: the plugin, and why
                 raise ConfigError(f"plugins: {name}: {err}") from err
+            except SyntaxError as err:  # the file is not Python yet: where, not a traceback into importlib
+                raise ConfigError(f"plugins: {name}: line {err.lineno}: {err.msg}") from None
         else:
             try:
                 module = importlib.import_module(name)

@@ -158,10 +158,18 @@ def deduplicate(problems: list[Problem]) -> list[Problem]:
 
 def _read_file(path: Path) -> list:
     if path.suffix == ".parquet":
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
-    text = path.read_text()
+        try:
+            return pq.read_table(path).to_pylist()
+        except pa.ArrowException as err:  # a truncated or foreign file: named, not a traceback into pyarrow
+            raise ConfigError(f"{path}: not a readable parquet file ({err})") from None
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start}); expected JSON or JSONL "
+                          "records") from None
     if path.suffix == ".jsonl":
         out = []
         for n, line in enumerate(text.splitlines(), 1):

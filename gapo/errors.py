@@ -2,6 +2,7 @@
 printed by the entry points as a message (exit 2) instead of a traceback; and gapo-train's exit codes."""
 
 from enum import IntEnum
+from pathlib import Path
 
 
 class ConfigError(ValueError):
@@ -18,6 +19,17 @@ class Exit(IntEnum):
     CONFIG = 2  # a ConfigError: the message says what to fix
     STOPPED = 3  # the run cannot go on (diverged; rewards, a checkpoint or the weight sync failed): a message says why
     PREEMPTED = 75  # EX_TEMPFAIL: every rank saved after SIGTERM / SIGUSR1; requeue, and --resume auto goes on
+
+
+def out_folder(path: Path, what: str) -> Path:
+    """`path` made ready as a folder to write into (`what`: the flag or key that named it, for the message): a file
+    already there, or a parent that is one, is the user's to move, said as a ConfigError rather than a traceback."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ConfigError(f"{what} {path}: a file is in the way (there or above it); expected a folder to write "
+                          "into, or a path not taken yet") from None
+    return path
 
 
 # The failures gapo-train has said why on the console: a launcher passes them on and adds nothing.

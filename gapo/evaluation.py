@@ -99,6 +99,7 @@ def load_benchmark(spec: str, limit: int | None = None, data: DataConfig | None 
     listed with their reason. Nothing else is left out: see `context_length`."""
     name, _, path = spec.partition("=")
     name, at, window = name.partition("@")
+    check_benchmarks([spec])
     bounds = parse_window(window, spec) if at else None  # a malformed window fails before any download
     known = BENCHMARKS.get(name)
     kind = known.kind if known else "math"
@@ -112,9 +113,6 @@ def load_benchmark(spec: str, limit: int | None = None, data: DataConfig | None 
         problems = load_problems(path, **keys)
     elif known:
         problems = _load_named(name, known, data_dir or os.environ.get("GAPO_DATA_DIR"), keys)
-    else:
-        raise ConfigError(f"unknown benchmark {name!r}: use one of {', '.join([*BENCHMARKS, 'arithmetic'])} "
-                          "or name=path/to/file.jsonl")
     where = path or f"benchmark {name!r}"
     precut = bool(known and known.window and not path and bounds == parse_window(known.window, spec))
     if bounds and not (precut and all(record_date(p) is None for p in problems)):  # undated: cut already
@@ -196,6 +194,19 @@ def in_window(problems: list[Problem], start: datetime | None, end: datetime | N
         raise ConfigError(f"{where}: no problem in the window of {spec!r} (the records are dated "
                           f"{lo.date()} to {hi.date()})")
     return kept
+
+
+def check_benchmarks(specs: list[str]) -> None:
+    """Each spec names a benchmark, arithmetic or a file (name=path), with a well-formed window: checked before any
+    rank starts (gapo-train, gapo-sweep), because a misspelt name otherwise surfaces after the model has loaded."""
+    for spec in specs:
+        name, _, path = spec.partition("=")
+        name, at, window = name.partition("@")
+        if not path and name != "arithmetic" and name not in BENCHMARKS:
+            raise ConfigError(f"unknown benchmark {name!r}: use one of {', '.join([*BENCHMARKS, 'arithmetic'])} "
+                              "or name=path/to/file.jsonl")
+        if at:
+            parse_window(window, spec)
 
 
 def _load_named(name: str, known: Benchmark, data_dir: str | Path | None, keys: dict) -> list[Problem]:

@@ -362,6 +362,7 @@ def _manifested_run(tmp_path: Path) -> Path:
     ("corrupt", "hf/model.safetensors is corrupt"),
     ("delete", "hf/config.json is missing"),
     ("lose the manifest", "manifest.json is missing"),
+    ("damage the manifest", "cannot read its manifest.json (Expecting value"),
 ])
 def test_a_damaged_checkpoint_is_named_and_auto_falls_back_to_the_previous(tmp_path, damage, needle, caplog):
     from gapo.trainer import checkpoint
@@ -377,6 +378,8 @@ def test_a_damaged_checkpoint_is_named_and_auto_falls_back_to_the_previous(tmp_p
         (newest / "hf" / "model.safetensors").write_bytes(bytes(data))
     elif damage == "delete":
         (newest / "hf" / "config.json").unlink()
+    elif damage == "damage the manifest":  # a disk that lost its last block
+        (newest / "manifest.json").write_bytes(b"\0" * 64)
     else:  # half an rsync: everything but the manifest, of a checkpoint written with one
         (newest / "manifest.json").unlink()
     with pytest.raises(ConfigError, match=re.escape(f"checkpoint {newest}: {needle}")):

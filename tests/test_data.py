@@ -50,6 +50,14 @@ def test_bad_data_names_file_item_and_field(tmp_path):
     obj.write_text('{"problem": "x"}')
     with pytest.raises(ConfigError, match="expected a JSON list of records"):
         load_problems(str(obj))
+    torn = tmp_path / "torn.parquet"  # a copy cut short
+    torn.write_bytes(b"PAR1" + b"\0" * 40)
+    with pytest.raises(ConfigError, match="torn.parquet: not a readable parquet file"):
+        load_problems(str(torn))
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes('{"problem": "caf\u00e9", "answer": 1}\n'.encode("latin-1"))
+    with pytest.raises(ConfigError, match="latin.jsonl: not UTF-8 text"):
+        load_problems(str(latin))
 
 
 def test_arithmetic_is_seeded_distinct_mixed_and_excludable():

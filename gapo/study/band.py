@@ -151,6 +151,9 @@ def rollouts_log(run_dir: Path) -> Path:
     return path
 
 
+ROLLOUT_KEYS = ("adv", "updates")  # what the band counts and the endpoints take from every rollout record
+
+
 def read_rollouts(run_dir: Path) -> list[dict]:
     path = rollouts_log(run_dir)
     lines = path.read_text(encoding="utf-8").splitlines()
@@ -159,11 +162,15 @@ def read_rollouts(run_dir: Path) -> list[dict]:
         if not line.strip():
             continue
         try:
-            out.append(json.loads(line))
+            rec = json.loads(line)
         except json.JSONDecodeError as e:
             if n == len(lines):  # a live run's last line, still being written
                 break
             raise PlotError(f"{path}:{n}: not a JSON record ({e.msg})") from None
+        missing = [k for k in ROLLOUT_KEYS if not isinstance(rec, dict) or k not in rec]
+        if missing:
+            raise PlotError(f"{path}:{n}: not a rollout record of gapo-train's (no {', '.join(missing)})")
+        out.append(rec)
     return out
 
 

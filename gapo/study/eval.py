@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
 from typing import NamedTuple, get_args
 
+import yaml
 from pydantic import ValidationError
 
 from gapo import console, rundir
@@ -109,6 +111,33 @@ def apply_protocol(args: argparse.Namespace) -> str | None:
     return note
 
 
+def settings_of(done: Path) -> dict | None:
+    """The settings an earlier gapo-eval recorded in `done` (results.json), to tell a finished evaluation from another
+    one; a file there that is not gapo-eval's is the user's to move, not a traceback."""
+    try:
+        return json.loads(done.read_text())["meta"].get("settings")
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as err:
+        raise ConfigError(f"{done}: not a gapo-eval results file ({type(err).__name__}: {err}); move or remove it, or "
+                          "write elsewhere (--out, --name)") from None
+
+
+def _number(kind: type, lo: float, hi: float = math.inf, lo_open: bool = False):
+    """An argparse type: a `kind` number within [lo, hi] ((lo, hi] with lo_open), checked before any engine starts."""
+    def parse(text: str):
+        try:
+            x = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") \
+                from None
+        if not math.isfinite(x):
+            raise argparse.ArgumentTypeError(f"expected a finite number, got {text}")
+        if not (lo < x <= hi if lo_open else lo <= x <= hi):
+            raise argparse.ArgumentTypeError(f"expected {'more than' if lo_open else 'at least'} {lo:g}"
+                                             + (f" and at most {hi:g}" if hi < math.inf else "") + f", got {text}")
+        return x
+    return parse
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="gapo-eval", description="pass@k of a model on benchmarks (vLLM).",
@@ -129,17 +158,18 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--benchmarks", default=None,
                     help="comma-separated specs name[@START:END][=path] (see gapo.evaluation); default: the "
                          "protocol's")
-    ap.add_argument("--n", type=int, default=None,
+    ap.add_argument("--n", type=_number(int, 1), default=None,
                     help=f"samples per problem (pass@k for k = 1, 2, 4, ... <= n); default: the protocol's, "
                          f"else {FALLBACK['n']}")
-    ap.add_argument("--temperature", type=float, default=None,
+    ap.add_argument("--temperature", type=_number(float, 0), default=None,
                     help=f"default: the protocol's, else {FALLBACK['temperature']}")
-    ap.add_argument("--top-p", type=float, default=None, help=f"default: the protocol's, else {FALLBACK['top_p']}")
-    ap.add_argument("--max-new-tokens", type=int, default=None,
+    ap.add_argument("--top-p", type=_number(float, 0, 1, lo_open=True), default=None,
+                    help=f"default: the protocol's, else {FALLBACK['top_p']}")
+    ap.add_argument("--max-new-tokens", type=_number(int, 1), default=None,
                     help=f"default: the protocol's, else {FALLBACK['max_new_tokens']}")
     ap.add_argument("--instruction", default=None,
                     help="appended to each problem (default: by benchmark kind; never to IFEval's prompts)")
-    ap.add_argument("--limit", type=int, default=None, help="first N problems of each benchmark")
+    ap.add_argument("--limit", type=_number(int, 1), default=None, help="first N problems of each benchmark")
     ap.add_argument("--engine", choices=get_args(EngineKind), default="vllm")
     ap.add_argument("--steps", default="last", help="with --run: comma-separated checkpoint steps, 'last' or 'all'")
     ap.add_argument("--name", default=None, help="with --run: the results' folder under eval/ (default: the --config "
@@ -152,7 +182,7 @@ def parser() -> argparse.ArgumentParser:
                     help="sampling seed (every problem's requests derive theirs from it); default: with --run each "
                          "run's own trainer.seed, so that runs of different seeds draw independent samples, as their "
                          "validation during training did; else 0")
-    ap.add_argument("--workers", type=int, default=2, help="reward worker processes")
+    ap.add_argument("--workers", type=_number(int, 1), default=2, help="reward worker processes")
     ap.add_argument("--out", default=None, help="directory for results.json and per_problem.jsonl")
     ap.add_argument("--verbose", action="store_true",
                     help="show every library's output on the console (by default it goes to a log beside the results: "
@@ -182,8 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             reward = RewardConfig(num_workers=args.workers)
             done = Path(args.out) / "results.json" if args.out else None
-            if done and done.is_file() and json.loads(done.read_text())["meta"].get("settings") == \
-                    settings(args, args.seed or 0, args.instruction, reward):
+            if done and done.is_file() and settings_of(done) == settings(args, args.seed or 0, args.instruction,
+                                                                        reward):
                 print(f"gapo-eval: {done} holds this evaluation already", file=sys.stderr)
                 return 0
             jobs = [Job(Path(args.out) if args.out else None, resolve_eval_model(args.model), args.seed or 0,
@@ -274,10 +304,16 @@ def run_jobs(args: argparse.Namespace, run: Path) -> list[Job]:
             raise ConfigError(f"--run {run}: no checkpoint of step {', '.join(map(str, missing))} (kept: "
                               f"{', '.join(map(str, sorted(found)))}; trainer.keep_steps / keep_every keep a step "
                               "from pruning)")
-    saved = read_yaml((found[steps[0]] / rundir.CONFIG).read_text())
+    where = found[steps[0]] / rundir.CONFIG
+    try:
+        saved = read_yaml(where.read_text())
+        dtype, run_seed = saved["model"]["dtype"], int(saved["trainer"]["seed"])
+    except (OSError, ValueError, TypeError, KeyError, yaml.YAMLError) as err:
+        raise ConfigError(f"--run {run}: {where} cannot be read as the run's config ({type(err).__name__}: {err}); "
+                          "a checkpoint that gapo-train wrote has it") from None
     if args.dtype is None:
-        args.dtype = saved["model"]["dtype"]
-    seed = args.seed if args.seed is not None else int(saved["trainer"]["seed"])
+        args.dtype = dtype
+    seed = args.seed if args.seed is not None else run_seed
     instruction = args.instruction if args.instruction is not None else (
         (saved.get("eval") or {}).get("instruction") or (saved.get("data") or {}).get("instruction"))
     reward = RewardConfig(**{**(saved.get("reward") or {}), "num_workers": args.workers})
@@ -291,7 +327,7 @@ def run_jobs(args: argparse.Namespace, run: Path) -> list[Job]:
         out = run / rundir.EVAL / name / rundir.step_name(step)
         done = out / "results.json"
         if done.is_file():
-            had = json.loads(done.read_text())["meta"].get("settings")
+            had = settings_of(done)
             if had == settings(args, seed, instruction, reward):
                 continue
             raise ConfigError(f"{done} was evaluated with other settings ({had}); give --name to keep both, or "

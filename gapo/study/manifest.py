@@ -98,6 +98,9 @@ class Manifest(_Strict):
             if not isinstance(value, dict):
                 raise ValueError(f"{key}: not a manifest field ({', '.join(type(self).model_fields)}); a "
                                  f"scheduler's block ({key}: with its settings beneath) is a mapping")
+        if len(set(self.seeds)) != len(self.seeds):  # a repeated seed would be one run counted twice
+            raise ValueError(f"seeds: {self.seeds} repeats {sorted({s for s in self.seeds if self.seeds.count(s) > 1})}"
+                             "; list each seed once")
         names = [r.name for r in self.runs]
         if len(set(names)) != len(names):
             raise ValueError(f"runs: names repeat ({', '.join(sorted({n for n in names if names.count(n) > 1}))})")
@@ -183,15 +186,15 @@ class Job:
         return load_config(self.config, [*self.args, *([f"trainer.resume_from={self.resume}"] if self.resume else [])])
 
 
-def jobs(m: Manifest, root: str | Path | None = None) -> list[Job]:
+def jobs(m: Manifest, root: str | Path | None = None, _using: tuple[str, ...] = ()) -> list[Job]:
     """Every run x seed, parents before their branches; the kept steps are the evaluated ones and the branch
-    points taken from this run."""
+    points taken from this run. `_using`: the manifests whose `use:` led here (a chain that comes back is refused)."""
     base = Path(root or m.output_root) / m.name
     out: dict[tuple[str, int], Job] = {}
     for r in sorted(m.runs, key=lambda x: x.branch is not None):
         if r.use:
             for seed in m.seeds:
-                out[(r.name, seed)] = _shared_job(r, seed, root)
+                out[(r.name, seed)] = _shared_job(r, seed, root, (*_using, m.name))
             continue
         branch_points = sorted({b.branch.step for b in m.runs if b.branch and b.branch.run == r.name})
         keep = sorted(set(m.eval.steps) | set(branch_points))
@@ -214,16 +217,19 @@ def jobs(m: Manifest, root: str | Path | None = None) -> list[Job]:
     return js
 
 
-def _shared_job(r: RunSpec, seed: int, root: str | Path | None) -> Job:
+def _shared_job(r: RunSpec, seed: int, root: str | Path | None, using: tuple[str, ...]) -> Job:
     """The job of another manifest's run (RunSpec.use), under this manifest's name and label for its table."""
     owner_name, run_name = r.use.split("/")
+    if owner_name in using:
+        raise ConfigError(f"runs.{r.name}.use: {r.use} leads back to {owner_name} ({' -> '.join([*using, owner_name])})"
+                          "; a run is trained by one manifest and used by others")
     owner = load_manifest(owner_name)
     if run_name not in {x.name for x in owner.runs}:
         raise ConfigError(f"runs.{r.name}.use: {owner_name} has no run {run_name!r} "
                           f"({', '.join(x.name for x in owner.runs)})")
     if seed not in owner.seeds:
         raise ConfigError(f"runs.{r.name}.use: {owner_name} runs seeds {owner.seeds}, not {seed}")
-    theirs = next(j for j in jobs(owner, root) if j.run.name == run_name and j.seed == seed)
+    theirs = next(j for j in jobs(owner, root, using) if j.run.name == run_name and j.seed == seed)
     return Job(r, seed, theirs.out, theirs.config, theirs.args, theirs.resume, theirs.parent, shared=r.use,
                branch_step=theirs.branch_step)
 
@@ -236,13 +242,19 @@ def check(m: Manifest, js: list[Job]) -> None:
             cfg = j.resolved()
         except ConfigError as err:
             raise ConfigError(f"run {j.run.name} seed {j.seed}: {err}") from None
-        if cfg.rollout.placement == "split":  # (config.py reads no module of gapo.rollout: its table is checked here)
-            from gapo.rollout.transport import transport_named
+        # Names whose tables config.py does not read (a transport, a rewarder, a benchmark): checked here, before any
+        # job starts, not after its model has loaded.
+        from gapo.evaluation import check_benchmarks
+        from gapo.reward.registry import rewarder
+        from gapo.rollout.transport import transport_named
 
-            try:
+        try:
+            if cfg.rollout.placement == "split":
                 transport_named(cfg.rollout.transport)
-            except ConfigError as err:
-                raise ConfigError(f"run {j.run.name} seed {j.seed}: {err}") from None
+            rewarder(cfg.data.type)
+            check_benchmarks(cfg.eval.benchmarks)
+        except ConfigError as err:
+            raise ConfigError(f"run {j.run.name} seed {j.seed}: {err}") from None
         final = cfg.trainer.total_steps
         if max(m.eval.steps) > final:
             raise ConfigError(f"eval.steps: {max(m.eval.steps)} is past run {j.run.name}'s trainer.total_steps={final}")

@@ -25,7 +25,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from gapo.errors import Exit
+from gapo.errors import ConfigError, Exit, out_folder
 from gapo.rundir import logged_cs, per_c
 from gapo.study.figures import (
     ALL_STEPS,
@@ -348,7 +348,7 @@ def write_index(out: Path, runs: list[Run], figures: dict[str, Figure | None], s
 
 def render(runs: list[Run], out: Path, smooth: int = 1, window: Window = ALL_STEPS,
            rollout_steps: list[int] | None = None, shown_per_c: int = 3) -> dict[str, Figure | None]:
-    out.mkdir(parents=True, exist_ok=True)
+    out_folder(out, "--out")
     figures = build_figures(runs, smooth, window)
     for name, fig in figures.items():
         if fig is None:
@@ -404,7 +404,7 @@ def main(argv: Iterable[str] | None = None) -> int:
         _unique_labels(runs)
         warn_pre_split(runs)
         figures = render(runs, args.out, smooth, window, rollout_steps, args.rollouts_per_c)
-    except PlotError as e:
+    except (PlotError, ConfigError) as e:
         print(f"gapo-plot: error: {e}", file=sys.stderr)
         return Exit.CONFIG
     drawn = [n for n, f in figures.items() if f is not None]

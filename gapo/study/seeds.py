@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gapo.errors import ConfigError, Exit
+from gapo.errors import ConfigError, Exit, out_folder
 from gapo.rundir import logged_cs, per_c
 from gapo.study import endpoints
 from gapo.study.figures import (
@@ -396,7 +396,7 @@ def band_tables(groups: dict[str, list[Run]]) -> list[str]:
 
 def write_report(out: Path, groups: dict[str, list[Run]], window: Window = ALL_STEPS, val_step: int | None = None,
                  smooth: int = 1, control: str | None = None) -> Path:
-    out.mkdir(parents=True, exist_ok=True)
+    out_folder(out, "--out")
     notes: list[str] = []
     benches, val_est = validation_estimates(groups, val_step, notes)
     metrics, train_est = training_estimates(groups, window)
@@ -484,7 +484,7 @@ def run(args: argparse.Namespace) -> int:
             raise CompareError(f"--control {args.control!r} is the first label, the method the others are compared "
                                "with: give the method first and the control after it")
         path = write_report(args.out, groups, window, args.val_step, smooth, args.control)
-    except PlotError as e:
+    except (PlotError, ConfigError) as e:
         print(f"gapo-compare: error: {e}", file=sys.stderr)
         return Exit.CONFIG
     print(f"gapo-compare: wrote {path} and its figures to {args.out}")

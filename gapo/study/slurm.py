@@ -7,14 +7,19 @@ Training tasks with nothing to wait for form one array (the runs); those that wa
 
 from __future__ import annotations
 
+import re
 import shlex
 import sys
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gapo.config import ConfigError
+from gapo.errors import out_folder
 from gapo.study.manifest import Job, Manifest, Task, local_command
+
+# SLURM's time formats (sbatch --time): M, M:S, H:M:S, D-H, D-H:M, D-H:M:S, or unlimited
+SLURM_TIME = re.compile(r"(\d+-)?\d+(:\d+){0,2}|UNLIMITED|unlimited|INFINITE|infinite")
 
 
 class SlurmSpec(BaseModel):
@@ -38,6 +43,14 @@ class SlurmSpec(BaseModel):
     signal_lead_s: int = Field(300, ge=1, description="SIGUSR1 this many seconds before the time limit "
                                                       "(--signal=USR1@N); must exceed every run's "
                                                       "trainer.preempt_deadline_s by the time a save takes.")
+
+    @field_validator("time", "eval_time")
+    @classmethod
+    def _slurm_time(cls, value: str | None) -> str | None:
+        if value is not None and not SLURM_TIME.fullmatch(value):  # sbatch would refuse it only at submission
+            raise ValueError(f"{value!r} is not a SLURM time: expected minutes, H:M:S or D-H:M:S (e.g. 2-00:00:00), "
+                             "or unlimited")
+        return value
 
 
 FLAGS = ("partition", "account", "qos", "constraint", "time", "eval_time", "mem")  # gapo-sweep --FLAG over the block
@@ -63,8 +76,7 @@ def render(m: Manifest, tasks: list[Task], out_dir: Path, workdir: Path) -> list
     submit_eval.sh instead, so that the sweep's submit.sh stays. Paths in the commands are relative to `workdir`,
     which every job starts in (--chdir)."""
     workdir = workdir.resolve()
-    out_dir = (workdir / out_dir).resolve()
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = out_folder((workdir / out_dir).resolve(), "--slurm")
     runs = [t for t in tasks if t.kind == "train" and not t.depends_on]
     branches = [t for t in tasks if t.kind == "train" and t.depends_on]
     evals = [t for t in tasks if t.kind == "eval"]

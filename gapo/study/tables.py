@@ -28,6 +28,7 @@ from matplotlib.figure import Figure
 
 from gapo import rundir
 from gapo.configfile import load_config
+from gapo.errors import ConfigError, out_folder
 from gapo.study.figures import load_run, md_cell, run_style
 from gapo.study.manifest import Job, Manifest, base_results, jobs
 from gapo.study.seed_figures import build_figures
@@ -46,7 +47,12 @@ def results(m: Manifest, js: list[Job]) -> dict[tuple[str, int], dict[int, dict[
             owner = j if step in j.own_steps(m.eval.steps) else j.parent
             f = owner.out / rundir.EVAL / m.protocol_name / rundir.step_name(step) / "results.json"
             if f.is_file():
-                out.setdefault((j.run.name, j.seed), {})[step] = json.loads(f.read_text())["metrics"]
+                try:
+                    metrics = json.loads(f.read_text())["metrics"]
+                except (ValueError, TypeError, KeyError) as err:
+                    raise ConfigError(f"{f}: not a gapo-eval results file ({type(err).__name__}: {err}); run "
+                                      "gapo-sweep --eval again for it, or remove it") from None
+                out.setdefault((j.run.name, j.seed), {})[step] = metrics
     return out
 
 
@@ -88,10 +94,13 @@ def clip_range(js: list[Job], name: str) -> tuple[str, str]:
 def write(m: Manifest, root: str | Path | None, out: Path | None = None) -> Path:
     js = jobs(m, root)
     found = results(m, js)
-    out = out or Path(root or m.output_root) / m.name / "compare"
-    out.mkdir(parents=True, exist_ok=True)
     step = max(m.eval.steps)
     benches = benchmarks(found)
+    if not benches:  # an empty table would read as a result
+        raise ConfigError(f"{m.name}: no evaluation found under {Path(root or m.output_root) / m.name} (step "
+                          f"{', '.join(map(str, m.eval.steps))}, protocol {m.protocol_name}); run `gapo-sweep "
+                          f"{m.name} --eval` first")
+    out = out_folder(out or Path(root or m.output_root) / m.name / "compare", "--out")
     ks = m.compare.metrics
     labels = [r.label or r.name for r in m.runs]
     est = {(b, k): estimates(m, js, found, step, b, k) for b in benches for k in ks}

@@ -251,7 +251,13 @@ def verify(ckpt: Path) -> None:
                               "damaged")
         log.warning("checkpoint %s has no %s (written by an earlier gapo): not verified", ckpt, rundir.MANIFEST)
         return
-    want = json.loads(listed.read_text())
+    try:
+        want = json.loads(listed.read_text())
+        if not isinstance(want, dict):
+            raise ValueError(f"expected a mapping of files, got {type(want).__name__}")
+    except (OSError, ValueError) as err:  # written last, by rename: a damaged one is a damaged checkpoint
+        raise ConfigError(f"checkpoint {ckpt}: cannot read its {rundir.MANIFEST} ({err}); the checkpoint is "
+                          "incomplete or damaged") from None
     got = manifest(ckpt)
     for rel, meta in want.items():
         have = got.get(rel)
