@@ -105,8 +105,10 @@ def train_main(argv: list[str] | None = None) -> int:
             if not all(0 < g < float("inf") for g in sizes):
                 raise ValueError
         except ValueError:
-            print(f"gapo-train: --plan {args.plan}: expected positive GPU sizes in GB separated by commas, e.g. 24,48",
-                  file=sys.stderr)
+            hint = (f"; {args.plan} reads as a setting: put it before --plan, or give --plan its sizes"
+                    if "=" in args.plan else "")
+            print(f"gapo-train: --plan {args.plan}: expected positive GPU sizes in GB separated by commas, e.g. "
+                  f"24,48{hint}", file=sys.stderr)
             return Exit.CONFIG
         with contextlib.redirect_stdout(sys.stderr):  # libraries that a built-in model loads print to stdout
             table = offload_table(cfg, trainers, sizes)

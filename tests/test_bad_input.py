@@ -45,6 +45,7 @@ CASES = [
      "--nproc 3: rollout.prompts_per_step=4 must be divisible by the 3 ranks"),
     ("train", ["--config", "tiny_cpu", "--print-config", "--nproc", "-3"], "--nproc -3: expected a number of ranks"),
     ("train", ["--config", "tiny_cpu", "--plan", "0"], "--plan 0: expected positive GPU sizes"),
+    ("train", ["--config", "tiny_cpu", "--plan", "trainer.lr=1e-6"], "reads as a setting: put it before --plan"),
     ("train", ["--config", "{tmp}/latin1.yaml", "--print-config"], "not UTF-8 text"),
     ("train", ["--config", "{tmp}/base5.yaml", "--print-config"], "base: expected the name or path of another"),
     ("train", ["--config", "tiny_cpu", "--print-config", "plugins=[{tmp}/bad_plugin.py]"],
