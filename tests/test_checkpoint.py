@@ -1,6 +1,7 @@
 """Checkpoints, exact resume (1 and 2 ranks, at an epoch boundary), crashes, and the step-600 intervention,
 with the real engine (vLLM + DeepSpeed ZeRO-3 on gloo)."""
 
+import contextlib
 import json
 import os
 import re
@@ -514,24 +515,46 @@ def test_a_step_past_the_deadline_is_abandoned_twice_and_the_run_resumes_exactly
     assert_same_steps(metrics(base(1)), metrics(out), [1, 2, 3, 4])
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 256 MiB tmpfs (where the machine lets us mount one: as root, like our CI), else None. Our CI runs as root (its
-    SLURM tier needs it, GAPO_REQUIRE_SLURM=1): there a failed mount fails, so the real full disk is not quietly
-    replaced by the injected error."""
-    d = tmp_path / "small"
-    d.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m", "tmpfs", str(d)], capture_output=True, text=True)
+@contextlib.contextmanager
+def _tmpfs(folder: Path, size: str):
+    """A tmpfs of `size` at `folder` (where the machine lets us mount one: as root, like our CI), else None. Our CI
+    runs as root (its SLURM tier needs it, GAPO_REQUIRE_SLURM=1): there a failed mount fails, so that a real full disk
+    is not quietly replaced by an injected error or a skip."""
+    folder.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True,
+                       text=True)
     if r.returncode:
         if os.environ.get("GAPO_REQUIRE_SLURM") == "1" or os.environ.get("CI") == "true":
-            pytest.fail(f"GAPO_REQUIRE_SLURM=1 / CI=true: cannot mount a tmpfs for the full-disk test: {r.stderr}",
+            pytest.fail(f"GAPO_REQUIRE_SLURM=1 / CI=true: cannot mount a tmpfs for a full-disk test: {r.stderr}",
                         pytrace=False)
         yield None
         return
     try:
-        yield d
+        yield folder
     finally:
-        subprocess.run(["umount", "-l", str(d)], check=True)
+        subprocess.run(["umount", "-l", str(folder)], check=True)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """256 MiB: room for the run's first checkpoints, filled up later by the fault."""
+    with _tmpfs(tmp_path / "small", "256m") as d:
+        yield d
+
+
+@pytest.mark.e2e
+def test_a_disk_without_room_for_one_checkpoint_stops_the_run_before_it_trains(tmp_path):
+    """A sweep's run saves only at its end: a disk that cannot hold that checkpoint must stop it at the start, not
+    after every step has been trained (and lost)."""
+    with _tmpfs(tmp_path / "tiny", "4m") as disk:
+        if disk is None:
+            pytest.skip("cannot mount a tmpfs here (not root)")
+        out = disk / "r"
+        r = run(out, "trainer.save_every=0", ok=False)
+        assert r.returncode == 3, r.stderr[-3000:]
+        assert f"no room for a checkpoint in {out / 'checkpoints'}" in r.stderr
+        assert "the run stopped before training" in r.stderr and "Traceback" not in r.stderr
+        assert not (out / "metrics.jsonl").exists() or not metrics(out)  # no step was trained
 
 
 @pytest.mark.e2e

@@ -206,13 +206,26 @@ def _expected_bytes(root: Path, actor) -> int:
     return trained * (2 + 4 + 4 + 4 if bf16 else 4 + 4 + 4) + params * (2 if bf16 else 4)
 
 
-def _room_for(root: Path, need: int) -> str | None:
+def _room_for(root: Path, need: int, stopped: str = "the run stopped before writing, the earlier checkpoints are "
+                                                     "intact") -> str | None:
     free = shutil.disk_usage(root).free
     if free < 1.1 * need:
         return (f"no room for a checkpoint in {root}: it needs about {need / 2**30:.2f} GiB (+10 %), "
                 f"{free / 2**30:.2f} GiB are free. Free space, lower trainer.keep_last, or move trainer.output_dir; "
-                "the run stopped before writing, the earlier checkpoints are intact")
+                f"{stopped}")
     return None
+
+
+def check_room(actor, run_dir: Path) -> None:
+    """Collective, once the actor is built: a disk that cannot hold the run's next checkpoint stops it now rather than
+    at its first save, which for a run that saves only at its end (a sweep's) would lose every step it trained."""
+    root = run_dir / rundir.CHECKPOINTS
+    failure = None
+    if dist.get_rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        failure = _room_for(root, _expected_bytes(root, actor), "the run stopped before training")
+    if (failure := gather(failure)[0]) is not None:
+        raise CheckpointError(failure)
 
 
 def _abandon(tmp: Path, rank: int) -> None:

@@ -178,6 +178,7 @@ def setup(cfg: Config, rank: int, world: int, remote: split.RemoteEngine | None)
         in_flight = load_in_flight(start.ckpt, rank, r.max_staleness)
     engine = remote if remote is not None else engine_of(cfg, model_dir, max_model_len, seed=t.seed + rank)
     actor = Actor(cfg, model_dir, load_universal=resharding)
+    checkpoint.check_room(actor, run_dir)  # before any step is spent that a full disk would lose
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     probe = sync.Probe.of(tokenizer, cfg, pad_id)
     if start.ckpt is not None:  # model, optimizer, scheduler, this rank's RNG states
