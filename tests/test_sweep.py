@@ -784,3 +784,20 @@ def test_key_path_overrides_reach_every_run_and_leave_slurms_dir_alone(capsys, t
     assert "trainer.lrr" in capsys.readouterr().err
     assert main(["tiny_cpu", "--print", "trainer.seed=7"]) == Exit.CONFIG  # the sweep's own per-job settings
     assert "trainer.seed=7: gapo-sweep sets this per run and seed" in capsys.readouterr().err
+
+
+def test_a_sweep_whose_checkpoints_exceed_the_free_disk_is_warned_before_its_first_run(tmp_path, monkeypatch):
+    """demo_mechanism's 48 runs keep one 2.15 GB checkpoint each (SmolLM2-135M: 134.5 M parameters x 16 bytes): on
+    a laptop with less free, gapo-sweep --run says so before the first run, with the sum and the fixes."""
+    import collections
+
+    from gapo.study import budget
+
+    js = jobs(load_manifest("demo_mechanism"), tmp_path)
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(budget.shutil, "disk_usage", lambda p: usage(10**12, 0, 9 * 10**9))
+    said = budget.disk_shortfall(js, tmp_path / "demo_mechanism")
+    assert said.startswith("the 48 run(s) left keep about 103.3 ") and "GB of checkpoints and 9.0 GB are free under " \
+        f"{tmp_path}:" in said  # (the folder does not exist yet: its nearest existing parent)
+    monkeypatch.setattr(budget.shutil, "disk_usage", lambda p: usage(10**12, 0, 200 * 10**9))
+    assert budget.disk_shortfall(js, tmp_path / "demo_mechanism") is None

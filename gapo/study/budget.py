@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import shutil
+from pathlib import Path
 
 from gapo.config import Config
 from gapo.configfile import load_config
@@ -113,6 +115,28 @@ def _eval_gpu_hours(params: int, samples: int, max_prompt_tokens: int, max_new_t
     """One checkpoint's evaluation: `samples` responses, prompts and responses at half their budgets."""
     tokens = samples * (max_prompt_tokens / 2 + max_new_tokens / 2)
     return 2 * params * tokens / (PEAK_FLOPS * GEN_MFU) / 3600
+
+
+def disk_shortfall(js: list[Job], root: Path) -> str | None:
+    """What `gapo-sweep --run` says before its first run when the checkpoints its unfinished runs keep exceed the free
+    space under `root` (each run still checks, at its start, for room for its next checkpoint; a warning, not a
+    refusal: space can be freed while the sweep runs). None when they fit."""
+    from gapo.memory import param_count
+    from gapo.models import model_facts
+
+    need = 0
+    for j in js:
+        cfg = load_config(j.config, j.args)
+        facts = model_facts(cfg.model.path)
+        if facts:
+            need += _kept_checkpoints(cfg, j)[0] * CHECKPOINT_BYTES_PER_PARAM * param_count(facts)
+    where = next(p for p in (root, *root.parents) if p.exists())
+    free = shutil.disk_usage(where).free
+    if need <= free:
+        return None
+    return (f"the {len(js)} run(s) left keep about {need / 1e9:,.1f} GB of checkpoints and {free / 1e9:,.1f} GB are "
+            f"free under {where}: a run stops at its start when its next checkpoint cannot fit (free space, lower "
+            "trainer.keep_last, or move --output-root)")
 
 
 def _kept_checkpoints(cfg: Config, j: Job) -> tuple[int, int]:

@@ -38,7 +38,7 @@ from gapo.config import ConfigError
 from gapo.configfile import OVERRIDE, load_config
 from gapo.errors import Exit
 from gapo.study import slurm
-from gapo.study.budget import budget
+from gapo.study.budget import budget, disk_shortfall
 from gapo.study.manifest import Job, Manifest, Task, check, eval_commands, graph, jobs, load_manifest, local_command
 
 
@@ -92,6 +92,10 @@ def print_commands(m: Manifest, js: list[Job]) -> None:
 def run_local(m: Manifest, js: list[Job], nproc: int) -> int:
     """One run after another on this machine; a finished run is skipped and an interrupted one resumed, so the
     same command picks a sweep up where it stopped."""
+    left = [j for j in js if not j.shared and not finished(j)]
+    short = disk_shortfall(left, Path(js[0].out).parent.parent) if left else None
+    if short:
+        print(f"gapo-sweep: warning: {short}", file=sys.stderr, flush=True)
     for i, j in enumerate(js, 1):
         where = f"[{i}/{len(js)}] {j.run.name} seed {j.seed}"
         if finished(j):
