@@ -11,6 +11,7 @@ import statistics
 import subprocess
 import threading
 import time
+import zlib
 from pathlib import Path
 
 import psutil
@@ -64,29 +65,37 @@ def run_sampled(cmd: list[str], *, env: dict | None = None, cwd: str | None = No
 
 
 def cached_arm(done: Path, cmd: list[str]) -> dict | None:
-    """A finished arm's result from an earlier run with the same --work, only if that run was this very command at
-    this very commit (a changed --lora-lr, step count or code runs the arm again); the console says which it is."""
-    key = {"command": cmd, "commit": _commit()}
+    """A finished arm's result from an earlier run with the same --work, only if that run was this very command on
+    this very code (a changed --lora-lr, step count or code runs the arm again); the console says which it is."""
+    key = {"command": cmd, "code": _code_version()}
     if done.exists():
-        saved = json.loads(done.read_text())
-        if {k: saved.get(k) for k in key} == key:
-            print(f"(reused: {done}, the same command at commit {key['commit']})", flush=True)
+        try:
+            saved = json.loads(done.read_text())
+        except (OSError, ValueError):  # cut short by a crash while writing: a miss
+            saved = {}
+        if {k: saved.get(k) for k in key} == key and "result" in saved:
+            print(f"(reused: {done}, the same command on the same code, {key['code']})", flush=True)
             return saved["result"]
-        print(f"({done} is from another command or commit: running the arm again)", flush=True)
+        print(f"({done} is from another command or code: running the arm again)", flush=True)
     return None
 
 
 def save_arm(done: Path, cmd: list[str], result: dict) -> None:
-    done.write_text(json.dumps({"command": cmd, "commit": _commit(), "result": result}))
+    tmp = done.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"command": cmd, "code": _code_version(), "result": result}))
+    tmp.replace(done)  # whole or absent
 
 
-def _commit() -> str:
-    """The code's version: HEAD, with "+changes" when the work tree differs from it."""
+def _code_version() -> str:
+    """HEAD, and a hash of the uncommitted changes to what a run executes (gapo/, bench/, configs/), so that two
+    different edits never share a key and a figure written under docs/ changes none."""
     root = Path(__file__).resolve().parents[1]
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True,
-                           text=True).stdout.strip()
-    return (head or "unknown") + ("+changes" if dirty else "")
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True).stdout
+
+    diff = git("diff", "HEAD", "--", "gapo", "bench", "configs")
+    return git("rev-parse", "HEAD").strip() + (f"+{zlib.crc32(diff.encode()):08x}" if diff else "")
 
 
 def cpu_line() -> str:

@@ -25,6 +25,24 @@ abandon) its step, save, and exit {Exit.PREEMPTED}; `--resume auto` then goes on
 signal's lead must exceed trainer.preempt_deadline_s plus a save (docs/cluster.md)."""
 
 
+def _unknown_names(cfg) -> str | None:
+    """What config resolution cannot check, because the tables live with the code that uses them (a transport, a
+    rewarder, a benchmark): a misspelt name said before any rank loads a model, not after."""
+    from gapo.evaluation import check_benchmarks
+    from gapo.reward.registry import rewarder
+
+    try:
+        if cfg.rollout.placement == "split":
+            from gapo.rollout.transport import transport_named
+
+            transport_named(cfg.rollout.transport)
+        rewarder(cfg.data.type)
+        check_benchmarks(cfg.eval.benchmarks)
+    except ConfigError as err:
+        return str(err)
+    return None
+
+
 def train_main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(prog="gapo-train", description=TRAIN_DESCRIPTION,
@@ -53,15 +71,6 @@ def train_main(argv: list[str] | None = None) -> int:
     overrides = args.overrides + ([f"trainer.resume_from={args.resume}"] if args.resume else [])
     try:
         cfg = load_config(args.config, overrides)
-        if cfg.rollout.placement == "split":
-            from gapo.rollout.transport import transport_named
-
-            transport_named(cfg.rollout.transport)  # a name no transport has, before any rank starts
-        from gapo.evaluation import check_benchmarks
-        from gapo.reward.registry import rewarder
-
-        rewarder(cfg.data.type)  # names that only the ranks would read, after loading the model: checked here
-        check_benchmarks(cfg.eval.benchmarks)
     except ConfigError as err:
         print(f"gapo-train: {err}", file=sys.stderr)
         return Exit.CONFIG
@@ -85,6 +94,13 @@ def train_main(argv: list[str] | None = None) -> int:
         except ConfigError as err:
             print(f"gapo-train: --nproc {args.nproc}: {err}", file=sys.stderr)
             return Exit.CONFIG
+    # The names' tables load torch, whose OpenMP reads its settings once, when it loads: a process that trains here
+    # checks them after setting those (below); one that only prints, plans, rehearses or launches, now.
+    trains_here = not (args.print_config or args.plan is not None or args.rehearse) and \
+        (args.nproc == 1 or "RANK" in os.environ)
+    if not trains_here and (unknown := _unknown_names(cfg)):
+        print(f"gapo-train: {unknown}", file=sys.stderr)
+        return Exit.CONFIG
     if args.print_config:
         from gapo.memory import plan_text
 
@@ -138,6 +154,9 @@ def train_main(argv: list[str] | None = None) -> int:
     # OpenMP threads spin-wait by default, which slows vLLM's CPU generation ~6x when two runtimes share cores.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     share_cores(1)  # a single rank: every core (under gapo.launch each rank's share is set already)
+    if unknown := _unknown_names(cfg):
+        print(f"gapo-train: {unknown}", file=sys.stderr)
+        return Exit.CONFIG
     rank0 = os.environ.get("RANK", "0") == "0"
     if not args.verbose:
         console.capture(show_warnings=rank0)  # before the libraries load: what they print goes to train.log

@@ -66,8 +66,9 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
         value = read_yaml(raw) if raw != "" else ""
     except yaml.YAMLError as err:
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        quoted = f": '{key}=\"{raw}\"'" if '"' not in raw and "'" not in raw else ""
         raise ConfigError(f"override {item!r}: the value is not valid YAML ({problem}); to pass it as text, quote it "
-                          f"inside the shell's quotes: '{key}=\"{raw}\"'") from None
+                          f"inside the shell's quotes{quoted}") from None
     if isinstance(value, str) and _FLOAT.fullmatch(value):  # YAML 1.1 reads 2e-6 (no dot) as a string
         value = float(value)
     return key.split("."), value

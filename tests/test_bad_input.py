@@ -101,3 +101,10 @@ def test_bad_input_is_one_clear_line_and_exit_2(command, argv, said, tmp_path, c
     said_lines = [x for x in err.strip().splitlines() if not x.startswith(("usage:", " "))]  # (argparse's usage)
     assert len(said_lines) <= 3, err  # a message, not a dump
     assert not (tmp_path / "none").exists() and not (tmp_path / "sl").exists()  # nothing half-written
+
+
+def test_every_time_sbatch_takes_is_taken():
+    from gapo.study.slurm import SlurmSpec
+
+    for t in ("90", "90:30", "1:00:00", "2-0", "2-12:00", "2-00:00:00", "-1", "Unlimited", "INFINITE"):
+        assert SlurmSpec(time=t, eval_time=t).time == t

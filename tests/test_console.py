@@ -186,3 +186,15 @@ def test_a_quoted_error_is_cut_at_a_sentence_or_a_word_never_inside_one():
     assert cut.endswith(" ...") and long.startswith(cut[:-4]) and len(cut) <= 64
     assert long[len(cut) - 4] == " "  # the word before the cut is whole
     assert brief("short\nsecond line") == "short" and brief("") == ""
+
+
+@pytest.mark.e2e  # (gapo.cli in a subprocess: the tier guard's rule; it stops before any engine, in 3 s)
+def test_a_training_process_sets_its_openmp_settings_before_torch_loads():
+    """OpenMP reads OMP_WAIT_POLICY and OMP_NUM_THREADS once, when torch loads it: gapo-train's checks of names that
+    load torch (a rewarder, a benchmark, a transport) come after it sets them, in a process that trains."""
+    code = ("import sys\nimport gapo.cli as cli\n"
+            "def shared(n):\n    print('torch' in sys.modules)\n    sys.exit(0)\n"
+            "cli.share_cores = shared\n"
+            "cli.train_main(['--config', 'tiny_cpu'])\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "False", r.stdout + r.stderr[-2000:]

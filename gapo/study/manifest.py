@@ -224,6 +224,9 @@ def _shared_job(r: RunSpec, seed: int, root: str | Path | None, using: tuple[str
         raise ConfigError(f"runs.{r.name}.use: {r.use} leads back to {owner_name} ({' -> '.join([*using, owner_name])})"
                           "; a run is trained by one manifest and used by others")
     owner = load_manifest(owner_name)
+    if owner.name in using:  # (a manifest whose name: differs from its file's)
+        raise ConfigError(f"runs.{r.name}.use: {r.use} leads back to {owner.name} ({' -> '.join([*using, owner.name])})"
+                          "; a run is trained by one manifest and used by others")
     if run_name not in {x.name for x in owner.runs}:
         raise ConfigError(f"runs.{r.name}.use: {owner_name} has no run {run_name!r} "
                           f"({', '.join(x.name for x in owner.runs)})")

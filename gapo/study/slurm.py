@@ -18,8 +18,8 @@ from gapo.config import ConfigError
 from gapo.errors import out_folder
 from gapo.study.manifest import Job, Manifest, Task, local_command
 
-# SLURM's time formats (sbatch --time): M, M:S, H:M:S, D-H, D-H:M, D-H:M:S, or unlimited
-SLURM_TIME = re.compile(r"(\d+-)?\d+(:\d+){0,2}|UNLIMITED|unlimited|INFINITE|infinite")
+# SLURM's time formats (sbatch --time): M, M:S, H:M:S, D-H, D-H:M, D-H:M:S, or unlimited (-1, infinite)
+SLURM_TIME = re.compile(r"(\d+-)?\d+(:\d+){0,2}|-1|unlimited|infinite", re.IGNORECASE)
 
 
 class SlurmSpec(BaseModel):

@@ -92,8 +92,8 @@ def print_commands(m: Manifest, js: list[Job]) -> None:
 def run_local(m: Manifest, js: list[Job], nproc: int) -> int:
     """One run after another on this machine; a finished run is skipped and an interrupted one resumed, so the
     same command picks a sweep up where it stopped."""
-    left = [j for j in js if not j.shared and not finished(j)]
-    short = disk_shortfall(left, Path(js[0].out).parent.parent) if left else None
+    left = [j for j in js if not finished(j)]  # (a shared run that is not finished is trained here too)
+    short = disk_shortfall(left, Path(left[0].out)) if left else None
     if short:
         print(f"gapo-sweep: warning: {short}", file=sys.stderr, flush=True)
     for i, j in enumerate(js, 1):
