@@ -26,18 +26,10 @@ signal's lead must exceed trainer.preempt_deadline_s plus a save (docs/cluster.m
 
 
 def _unknown_names(cfg) -> str | None:
-    """What config resolution cannot check, because the tables live with the code that uses them (a transport, a
-    rewarder, a benchmark): a misspelt name said before any rank loads a model, not after."""
-    from gapo.evaluation import check_benchmarks
-    from gapo.reward.registry import rewarder
+    from gapo.evaluation import check_names
 
     try:
-        if cfg.rollout.placement == "split":
-            from gapo.rollout.transport import transport_named
-
-            transport_named(cfg.rollout.transport)
-        rewarder(cfg.data.type)
-        check_benchmarks(cfg.eval.benchmarks)
+        check_names(cfg)
     except ConfigError as err:
         return str(err)
     return None

@@ -36,7 +36,7 @@ import numpy as np
 import torch.distributed as dist
 from tqdm import tqdm
 
-from gapo.config import ConfigError, DataConfig, RewardConfig
+from gapo.config import Config, ConfigError, DataConfig, RewardConfig
 from gapo.data import Dropped, Problem, arithmetic_problems, build_prompt_ids, load_problems, stop_token_ids
 from gapo.distributed import gather
 from gapo.metrics import coverage, pass_at_k
@@ -207,6 +207,18 @@ def check_benchmarks(specs: list[str]) -> None:
                               "or name=path/to/file.jsonl")
         if at:
             parse_window(window, spec)
+
+
+def check_names(cfg: Config) -> None:
+    """The names a run reads that config resolution cannot check, because their tables live with the code that uses
+    them (its transport, rewarder and benchmarks; plugins have registered theirs by now): gapo-train and gapo-sweep
+    check them before any rank loads a model, not after."""
+    if cfg.rollout.placement == "split":
+        from gapo.rollout.transport import transport_named
+
+        transport_named(cfg.rollout.transport)
+    rewarder(cfg.data.type)
+    check_benchmarks(cfg.eval.benchmarks)
 
 
 def _load_named(name: str, known: Benchmark, data_dir: str | Path | None, keys: dict) -> list[Problem]:

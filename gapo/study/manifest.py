@@ -245,17 +245,10 @@ def check(m: Manifest, js: list[Job]) -> None:
             cfg = j.resolved()
         except ConfigError as err:
             raise ConfigError(f"run {j.run.name} seed {j.seed}: {err}") from None
-        # Names whose tables config.py does not read (a transport, a rewarder, a benchmark): checked here, before any
-        # job starts, not after its model has loaded.
-        from gapo.evaluation import check_benchmarks
-        from gapo.reward.registry import rewarder
-        from gapo.rollout.transport import transport_named
+        from gapo.evaluation import check_names
 
         try:
-            if cfg.rollout.placement == "split":
-                transport_named(cfg.rollout.transport)
-            rewarder(cfg.data.type)
-            check_benchmarks(cfg.eval.benchmarks)
+            check_names(cfg)  # before any job starts, not after its model has loaded
         except ConfigError as err:
             raise ConfigError(f"run {j.run.name} seed {j.seed}: {err}") from None
         final = cfg.trainer.total_steps
