@@ -75,6 +75,13 @@ def train_main(argv: list[str] | None = None) -> int:
         print(f"gapo-train: --nproc {args.nproc}: expected a number of ranks, at least 1", file=sys.stderr)
         return Exit.CONFIG
     args.nproc = args.nproc or 1
+    # The names' tables load torch, whose OpenMP reads its settings once, when it loads: a process that trains here
+    # checks them after setting those (below); one that only prints, plans, rehearses or launches, now.
+    trains_here = not (args.print_config or args.plan is not None or args.rehearse) and \
+        (args.nproc == 1 or "RANK" in os.environ)
+    if not trains_here and (unknown := _unknown_names(cfg)):
+        print(f"gapo-train: {unknown}", file=sys.stderr)
+        return Exit.CONFIG
     trainers = args.nproc - cfg.rollout.generator_ranks
     if (args.print_config or args.plan is not None) and trainers < 1:
         print(f"gapo-train: rollout.generator_ranks={cfg.rollout.generator_ranks} of --nproc {args.nproc} leaves no "
@@ -86,13 +93,6 @@ def train_main(argv: list[str] | None = None) -> int:
         except ConfigError as err:
             print(f"gapo-train: --nproc {args.nproc}: {err}", file=sys.stderr)
             return Exit.CONFIG
-    # The names' tables load torch, whose OpenMP reads its settings once, when it loads: a process that trains here
-    # checks them after setting those (below); one that only prints, plans, rehearses or launches, now.
-    trains_here = not (args.print_config or args.plan is not None or args.rehearse) and \
-        (args.nproc == 1 or "RANK" in os.environ)
-    if not trains_here and (unknown := _unknown_names(cfg)):
-        print(f"gapo-train: {unknown}", file=sys.stderr)
-        return Exit.CONFIG
     if args.print_config:
         from gapo.memory import plan_text
 
