@@ -16,6 +16,7 @@ the tracker write them; checkpoint, rehearse, gapo-eval, gapo-plot and gapo-comp
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -89,3 +90,16 @@ def logged_cs(metric: str, keys: Iterable[str]) -> list[int]:
     """The c of every per_c(metric, c) among `keys`, in order."""
     prefix = per_c(metric, 0)[:-1]
     return sorted({int(k[len(prefix):]) for k in keys if k.startswith(prefix) and k[len(prefix):].isdigit()})
+
+
+def read_results(path: Path, part: str) -> dict:
+    """`part` ("meta" or "metrics") of an evaluation's results.json (gapo.evaluation writes both); a file there that is
+    not one is the user's to move or remove, said as a ConfigError rather than a traceback."""
+    try:
+        got = json.loads(path.read_text())
+        if not isinstance(got, dict) or not isinstance(got.get(part), dict):
+            raise ValueError(f"no {part} mapping")
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{path}: not a gapo-eval results file ({type(err).__name__}: {err}); move or remove it "
+                          "(gapo-eval writes it again)") from None
+    return got[part]

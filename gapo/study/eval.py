@@ -111,16 +111,6 @@ def apply_protocol(args: argparse.Namespace) -> str | None:
     return note
 
 
-def settings_of(done: Path) -> dict | None:
-    """The settings an earlier gapo-eval recorded in `done` (results.json), to tell a finished evaluation from another
-    one; a file there that is not gapo-eval's is the user's to move, not a traceback."""
-    try:
-        return json.loads(done.read_text())["meta"].get("settings")
-    except (OSError, ValueError, TypeError, KeyError, AttributeError) as err:
-        raise ConfigError(f"{done}: not a gapo-eval results file ({type(err).__name__}: {err}); move or remove it, or "
-                          "write elsewhere (--out, --name)") from None
-
-
 def _number(kind: type, lo: float, hi: float = math.inf, lo_open: bool = False):
     """An argparse type: a `kind` number within [lo, hi] ((lo, hi] with lo_open), checked before any engine starts."""
     def parse(text: str):
@@ -212,8 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             reward = RewardConfig(num_workers=args.workers)
             done = Path(args.out) / "results.json" if args.out else None
-            if done and done.is_file() and settings_of(done) == settings(args, args.seed or 0, args.instruction,
-                                                                        reward):
+            if done and done.is_file() and rundir.read_results(done, "meta").get("settings") == \
+                    settings(args, args.seed or 0, args.instruction, reward):
                 print(f"gapo-eval: {done} holds this evaluation already", file=sys.stderr)
                 return 0
             jobs = [Job(Path(args.out) if args.out else None, resolve_eval_model(args.model), args.seed or 0,
@@ -327,7 +317,7 @@ def run_jobs(args: argparse.Namespace, run: Path) -> list[Job]:
         out = run / rundir.EVAL / name / rundir.step_name(step)
         done = out / "results.json"
         if done.is_file():
-            had = settings_of(done)
+            had = rundir.read_results(done, "meta").get("settings")
             if had == settings(args, seed, instruction, reward):
                 continue
             raise ConfigError(f"{done} was evaluated with other settings ({had}); give --name to keep both, or "

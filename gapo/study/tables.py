@@ -20,7 +20,6 @@ makes it: a table half-built from a running sweep says what it still lacks.
 from __future__ import annotations
 
 import csv
-import json
 from pathlib import Path
 
 import numpy as np
@@ -47,12 +46,7 @@ def results(m: Manifest, js: list[Job]) -> dict[tuple[str, int], dict[int, dict[
             owner = j if step in j.own_steps(m.eval.steps) else j.parent
             f = owner.out / rundir.EVAL / m.protocol_name / rundir.step_name(step) / "results.json"
             if f.is_file():
-                try:
-                    metrics = json.loads(f.read_text())["metrics"]
-                except (ValueError, TypeError, KeyError) as err:
-                    raise ConfigError(f"{f}: not a gapo-eval results file ({type(err).__name__}: {err}); run "
-                                      "gapo-sweep --eval again for it, or remove it") from None
-                out.setdefault((j.run.name, j.seed), {})[step] = metrics
+                out.setdefault((j.run.name, j.seed), {})[step] = rundir.read_results(f, "metrics")
     return out
 
 
@@ -114,7 +108,7 @@ def write(m: Manifest, root: str | Path | None, out: Path | None = None) -> Path
     rows = []
     base = base_results(m, js) / "results.json"
     if m.base and base.is_file():
-        got = json.loads(base.read_text())["metrics"]
+        got = rundir.read_results(base, "metrics")
         cells = [" / ".join(_cell(ProportionEstimate((got[f"val/{b}/pass@{k}"],))) if f"val/{b}/pass@{k}" in got
                             else "–"
                             for k in ks) for b in benches]
