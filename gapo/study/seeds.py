@@ -317,7 +317,7 @@ def interaction_table(groups: dict[str, list[Run]], window: Window) -> list[str]
     return out
 
 
-def pooled_clip_table(groups: dict[str, list[Run]], window: Window) -> list[str]:
+def pooled_clip_table(groups: dict[str, list[Run]], window: Window, role: str = "") -> list[str]:
     """Low and high c against each pair of labels: the clip counts pooled over seeds by a Cochran–Mantel–Haenszel
     test, each seed a stratum (the same trainer.seed on both sides; a seed only one side ran is left out)."""
     half = _half(groups)
@@ -336,7 +336,7 @@ def pooled_clip_table(groups: dict[str, list[Run]], window: Window) -> list[str]
                 pvals.append(p)
     adjusted = holm(pvals)
     m_tests = sum(math.isfinite(p) for p in pvals)
-    out = ["", "## Clip counts pooled over seeds (Cochran–Mantel–Haenszel; assumes independent decisions)", "",
+    out = ["", f"## Clip counts pooled over seeds (Cochran–Mantel–Haenszel; assumes independent decisions){role}", "",
            "Correct rollouts' clip decisions over the window's off-policy updates, summed per seed over c ≤ k/2 "
            "(low c) or c > k/2 (high c); each seed that both labels ran is a stratum. The common odds ratio is the "
            "first label's odds of a clip over the second's, with its Robins–Breslow–Greenland 95 % interval. It "
@@ -357,7 +357,7 @@ def pooled_clip_table(groups: dict[str, list[Run]], window: Window) -> list[str]
     return out
 
 
-def band_tables(groups: dict[str, list[Run]]) -> list[str]:
+def band_tables(groups: dict[str, list[Run]], role: str = "") -> list[str]:
     """For each pair of labels whose runs logged rollouts under sequence-level rules: where the two rules decide
     differently, per c, on both labels' logged ratios (gapo.study.band); a pair the counts cannot cover says why.
     Two labels' runs of one trainer.seed follow the same trajectory until their rules first decide differently,
@@ -372,7 +372,7 @@ def band_tables(groups: dict[str, list[Run]]) -> list[str]:
         except (PlotError, ConfigError) as e:
             why[lab] = str(e)
     labels = list(groups)
-    out = ["", "## Where the rules can differ (band counts)", "",
+    out = ["", f"## Where the rules can differ (band counts){role}", "",
            "Every logged off-policy decision of both labels' runs, judged under both rules: only decisions in the "
            "band between the two bounds can make the runs differ (`gapo-compare band`). The two labels' runs of "
            "one seed share their decisions until the first one that differs; those are counted once."]
@@ -417,21 +417,6 @@ def write_report(out: Path, groups: dict[str, list[Run]], window: Window = ALL_S
              "|---|---|---|---|"]
     lines += [f"| {md_cell(lab)} | {len(runs)} | {', '.join(str(run_seed(r)) for r in runs)} | "
               f"{md_cell(', '.join(str(r.path) for r in runs))} |" for lab, runs in groups.items()]
-    lines += ["", "## Final validation pass@1, % (Tables 6 and 7)", ""]
-    if benches:
-        steps = sorted({final_validation(r, val_step)[0] for runs in groups.values() for r in runs})
-        lines += [f"At step {', '.join(map(str, steps))} (each run's {'' if val_step is None else 'chosen '}"
-                  "validation; `mean` is the average over the in-domain benchmarks).", ""]
-        lines += tables(benches, val_est, percent=True)
-    else:
-        lines.append("No run logged validation (`val/<benchmark>/pass@1`; set `trainer.eval_every`).")
-    lines += ["", f"## Training metrics, {window_text(window)}", "",
-              "`clip_frac/c{c}`: clip fraction of correct rollouts of groups with c correct over the off-policy "
-              "updates, per seed from the window's summed counts (`clip_hi/c{c}` / `clip_units/c{c}`); the other "
-              "metrics are each seed's mean over the window's logged steps. n is the number of seeds with a value.",
-              ""]
-    lines += tables(metrics, train_est, percent=False) if metrics else ["No training metrics in the window."]
-    lines += band_tables(groups)
     algos = {label: algorithm_of(runs[0].config) for label, runs in groups.items() if runs}
     fixed = {label: float(a.eps_hi) for label, a in algos.items()
              if a is not None and a.rule.constant and not a.rule.weight_clip}
@@ -439,10 +424,34 @@ def write_report(out: Path, groups: dict[str, list[Run]], window: Window = ALL_S
     k = max(int(r.config.get("rollout", {}).get("group_size", 8)) for runs in groups.values() for r in runs)
     margin = endpoints.bound_gradient(first, k) if first is not None else None
     # Read with the figure the plan wrote, two significant digits (0.014 for 0.003/0.015 at k = 8: 0.01371 exactly)
-    lines += endpoints.report({label: {run_seed(r): r.path for r in runs} for label, runs in groups.items()}, fixed,
-                              control, float(f"{margin:.2g}") if margin else None)
+    plan = endpoints.report({label: {run_seed(r): r.path for r in runs} for label, runs in groups.items()}, fixed,
+                            control, float(f"{margin:.2g}") if margin else None)
+    # With a plan (--control) its endpoints come first and every later section says what it is to the plan: a
+    # reader must not meet the training tables' uncorrected stars before the pre-registered test.
+    role = {"val": " (exploratory: not in the plan)", "train": " (secondary: reward/mean; the rest exploratory; "
+            "p uncorrected)", "band": " (secondary)", "pooled": " (exploratory)"} if control else {}
+    if control:
+        lines += ["", "With --control the plan's endpoints come first; every later section's heading says whether "
+                  "the plan lists it as secondary or not at all (exploratory)."] + plan
+    lines += ["", f"## Final validation pass@1, % (Tables 6 and 7){role.get('val', '')}", ""]
+    if benches:
+        steps = sorted({final_validation(r, val_step)[0] for runs in groups.values() for r in runs})
+        lines += [f"At step {', '.join(map(str, steps))} (each run's {'' if val_step is None else 'chosen '}"
+                  "validation; `mean` is the average over the in-domain benchmarks).", ""]
+        lines += tables(benches, val_est, percent=True)
+    else:
+        lines.append("No run logged validation (`val/<benchmark>/pass@1`; set `trainer.eval_every`).")
+    lines += ["", f"## Training metrics, {window_text(window)}{role.get('train', '')}", "",
+              "`clip_frac/c{c}`: clip fraction of correct rollouts of groups with c correct over the off-policy "
+              "updates, per seed from the window's summed counts (`clip_hi/c{c}` / `clip_units/c{c}`); the other "
+              "metrics are each seed's mean over the window's logged steps. n is the number of seeds with a value.",
+              ""]
+    lines += tables(metrics, train_est, percent=False) if metrics else ["No training metrics in the window."]
+    lines += band_tables(groups, role.get("band", ""))
+    if not control:
+        lines += plan
     lines += interaction_table(groups, window)
-    lines += pooled_clip_table(groups, window)
+    lines += pooled_clip_table(groups, window, role.get("pooled", ""))
     if notes:
         lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
     figures = build_figures(groups, window, smooth)
