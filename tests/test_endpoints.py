@@ -177,6 +177,20 @@ def test_the_report_reads_each_endpoint_off_the_runs(tmp_path):
     for name, a, p in (("E1", e1_control, family[0]), ("E2", e2, family[1]), ("E3", e3, family[2])):
         assert f"| {a.mean:+.4g} [{a.lo:+.4g}, {a.hi:+.4g}] | {p:.3g} | {ep.reading(name, a, p, 0.0137)} |" in read
     assert "read by the plan's rules" not in "\n".join(ep.report(groups, {"GSPO": 0.003}))  # no family, no reading
+    # beside the report: every row's per-seed values (what the tables summarise) and the family's figure
+    (tmp_path / "out").mkdir()
+    ep.report(groups, {"GSPO": 0.003}, control="GSPO", e1_margin=0.0137, out=tmp_path / "out")
+    saved = {(r["endpoint"], r["labels"]): r for r in json.loads((tmp_path / "out" / "endpoints.json").read_text())}
+    for key, a, p in ((("E1 log-ratio slope on (k-c)/k", "GSPO"), e1_control, family[0]),
+                      (("E2 mean is_adv_corr, Δ", "GAPO − GSPO"), e2, family[1]),
+                      (("E3 P(clip) slope on (k-c)/k under the run's rule, Δ", "GAPO − GSPO"), e3, family[2])):
+        r = saved[key]
+        assert r["primary"] and r["seeds"] == [0, 1, 2] and r["values"] == pytest.approx(a.values.tolist())
+        assert (r["mean"], r["lo"], r["hi"], r["p_holm_family"]) == pytest.approx((a.mean, a.lo, a.hi, p))
+        assert r["reading"] == ep.reading(key[0].split()[0], a, p, 0.0137)
+    assert not saved["E1 log-ratio slope on (k-c)/k (secondary)", "GAPO"]["primary"]
+    assert saved["E1 log-ratio slope on (k-c)/k (secondary)", "GAPO"]["p_holm_family"] is None
+    assert (tmp_path / "out" / "endpoints.png").stat().st_size > 10_000
     (groups["GSPO"][2] / "rollouts.jsonl").unlink()  # a run without its rollouts: E1 and E3 say so, E2 stays
     text = "\n".join(ep.report(groups, {"GSPO": 0.003}))
     assert "E1 and E3 need every run's rollouts.jsonl" in text and "| E2 mean is_adv_corr, Δ |" in text
@@ -202,8 +216,13 @@ def test_a_seed_without_a_value_is_named_with_why_in_every_row_it_misses(tmp_pat
                                                                   int(rng.random() < 0.3))]) for c in cs]
             groups[label][seed] = write_run(tmp_path / label / f"seed{seed}", records,
                                             [{"step": 1, "is_adv_corr": float(rng.normal(0, 0.1))}])
-    text = "\n".join(ep.report(groups, {"GSPO": 0.003, "other": 0.015}, control="GSPO"))
+    text = "\n".join(ep.report(groups, {"GSPO": 0.003, "other": 0.015}, control="GSPO", out=tmp_path))
     table = text.split("### The primary family")[0]
+    # endpoints.json keeps the same seeds and reasons (and is valid JSON: a statistic without a value is null)
+    saved = {r["endpoint"]: r for r in json.loads((tmp_path / "endpoints.json").read_text())}
+    e1 = saved["E1 log-ratio slope on (k-c)/k"]
+    assert e1["seeds"] == [0, 1] and list(e1["without"]) == ["2"] and "share one advantage" in e1["without"]["2"]
+    assert saved["E3 P(clip) slope on (k-c)/k under the run's rule, Δ"]["without"]["3"] == "GSPO: no run"
     rows = {line.split(" | ")[0][2:]: line for line in table.splitlines() if line.startswith("| E")}
     assert "| 2 (0, 1); none: 2 |" in rows["E1 log-ratio slope on (k-c)/k"]
     assert "| 3 (0, 1, 2); none: 3 |" in rows["E2 mean is_adv_corr, Δ"]

@@ -264,7 +264,7 @@ def reading(endpoint: str, a: AcrossSeeds, p_holm: float, e1_margin: float | Non
 
 
 def report(groups: dict[str, dict[int, Path]], fixed_eps_hi: dict[str, float], control: str | None = None,
-           e1_margin: float | None = None) -> list[str]:
+           e1_margin: float | None = None, out: Path | None = None) -> list[str]:
     """The endpoints as the plan reads them, for `gapo-compare seeds`: `groups` maps a label to its runs by trainer.seed
     (the method first, then the rules it is compared with); `fixed_eps_hi` the upper bound of each fixed rule's label.
     E1 per label; E2 and E3 the first label against each other, paired by seed; each p unadjusted, with Holm over
@@ -272,7 +272,9 @@ def report(groups: dict[str, dict[int, Path]], fixed_eps_hi: dict[str, float], c
     `control`: the plan's control label; its E1 and the first label's E2 and E3 (the P(clip) slope) against it are
     the primary family, Holm-adjusted over those three in a column of their own (the plan's test), and read by the
     plan's rules in a table of their own (`reading`; `e1_margin`: GAPO's bound gradient per unit of advantage); the
-    other rows then say secondary or exploratory in their names, as the plan lists them."""
+    other rows then say secondary or exploratory in their names, as the plan lists them.
+    `out`: a folder that also gets every row's per-seed values (endpoints.json, for a re-analysis that needs no
+    rollouts) and, with `control`, the primary family's per-seed values against zero (endpoints.png)."""
     labels = list(groups)
     lines = ["", "## Endpoints (experiments/demo_mechanism_plan.md; gapo/study/endpoints.py)", "",
              "Per run, then across seeds: mean [95 % t interval], the SD of the per-seed values (of the differences "
@@ -344,6 +346,8 @@ def report(groups: dict[str, dict[int, Path]], fixed_eps_hi: dict[str, float], c
         lines += ["", "Seeds without a value, kept in the design and named here (none is replaced or dropped):", ""]
         lines += [f"- {name} ({label}): " + "; ".join(f"seed {s}: {w}" for s, w in a.without.items())
                   for name, label, a in unvalued]
+    read = {i: reading(rows[i][0].split()[0], rows[i][2], family[i] if math.isfinite(rows[i][2].p_t) else math.nan,
+                       e1_margin) for i in primary}
     if control is not None:
         margin = (f"E1's margin, the first label's bound gradient per unit of advantage, to the two digits the plan "
                   f"writes: {e1_margin:.4g}" if e1_margin
@@ -354,11 +358,27 @@ def report(groups: dict[str, dict[int, Path]], fixed_eps_hi: dict[str, float], c
         for i in primary:
             name, label, a = rows[i]
             p = family[i] if math.isfinite(a.p_t) else float("nan")
-            lines.append(f"| {name} | {label} | {a.mean:+.4g} [{a.lo:+.4g}, {a.hi:+.4g}] | {p:.3g} | "
-                         f"{reading(name.split()[0], a, p, e1_margin)} |")
+            lines.append(f"| {name} | {label} | {a.mean:+.4g} [{a.lo:+.4g}, {a.hi:+.4g}] | {p:.3g} | {read[i]} |")
         present = {rows[i][0].split()[0] for i in primary}
         lines += [f"| {e} | | | | not estimable (no row: its runs or their rollouts are missing) |"
                   for e in PREDICTED if e not in present]
+    if out is not None:
+        def num(x: float | None) -> float | None:  # JSON has no NaN: a statistic without spread is null
+            return float(x) if x is not None and math.isfinite(x) else None
+
+        values = [{"endpoint": name, "labels": label, "primary": i in primary, "seeds": a.seeds,
+                   "values": a.values.tolist(), "without": {str(s): w for s, w in a.without.items()},
+                   "mean": num(a.mean), "lo": num(a.lo), "hi": num(a.hi), "sd": num(a.sd), "p_t": num(a.p_t),
+                   "p_sign_flip": num(a.p_flip), "p_holm_every_row": num(p),
+                   "p_holm_family": num(family.get(i) if math.isfinite(a.p_t) else None), "reading": read.get(i)}
+                  for i, ((name, label, a), p) in enumerate(zip(rows, adjusted, strict=True))]
+        (out / "endpoints.json").write_text(json.dumps(values, indent=1, allow_nan=False) + "\n", encoding="utf-8")
+        named = ["endpoints.json: every row's per-seed values"]
+        if primary:
+            figure([rows[i] for i in primary], e1_margin).savefig(out / "endpoints.png", dpi=110)
+            named.append("endpoints.png: the primary family's per-seed values")
+        lines += ["", f"Beside this report: {'; '.join(named)}."] + (["", "![endpoints.png](endpoints.png)"]
+                                                                        if primary else [])
     if dec is not None and len(labels) > 1:
         lines += ["", f"E3's model{tag(False)}: P(clip) of a correct decision ~ rule × advantage, logistic GEE over "
                   "every seed's decisions, seeds as clusters, bias-reduced sandwich; the term is the log odds ratio "
@@ -375,3 +395,32 @@ def report(groups: dict[str, dict[int, Path]], fixed_eps_hi: dict[str, float], c
                 lines.append(f"| {r.rule} | {r.reference} | {r.estimate:+.3g} [{r.lo:+.3g}, {r.hi:+.3g}] | "
                              f"{r.p:.3g} | {r.decisions} | {r.clusters} |")
     return lines
+
+
+def figure(rows: list[tuple[str, str, AcrossSeeds]], e1_margin: float | None = None):
+    """The primary family as the seeds gave it: every seed's value (its trainer.seed beside it), the mean with its
+    95 % t interval, zero, and E1's margin; a reader sees the spread the test summarises and which seeds lead it."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(4.2 * len(rows), 4.4), layout="constrained")
+    for ax, (name, label, a) in zip(fig.subplots(1, len(rows), squeeze=False)[0], rows, strict=True):
+        endpoint = name.split()[0]
+        x = np.linspace(-0.25, 0.25, len(a.seeds)) if len(a.seeds) > 1 else np.zeros(len(a.seeds))
+        ax.plot(x, a.values, "o", color="tab:blue", alpha=0.7, label="one seed")
+        for xi, yi, s in zip(x, a.values, a.seeds, strict=True):
+            ax.annotate(str(s), (xi, yi), textcoords="offset points", xytext=(4, 0), fontsize=6, va="center")
+        if len(a.seeds) > 1 and math.isfinite(a.lo):
+            ax.errorbar([0.6], [a.mean], yerr=[[a.mean - a.lo], [a.hi - a.mean]], fmt="s", color="black", capsize=4,
+                        label="mean, 95 % t interval")
+        ax.axhline(0, color="gray", linewidth=0.8)
+        if endpoint == "E1" and e1_margin:
+            ax.axhline(e1_margin, color="tab:red", linestyle="--", linewidth=0.8,
+                       label=f"GAPO's gradient {e1_margin:g}")
+        ax.set_xlim(-0.5, 0.9)
+        ax.set_xticks([])
+        ax.set_title(f"{name}\n{label} (predicted {'> 0' if PREDICTED[endpoint] > 0 else '< 0'})", fontsize=8)
+        if a.without:
+            ax.set_xlabel(f"no value: seed(s) {', '.join(map(str, a.without))}", fontsize=7)
+        ax.legend(fontsize=6, loc="best")
+    fig.suptitle("The plan's primary endpoints, per seed (experiments/demo_mechanism_plan.md)", fontsize=10)
+    return fig

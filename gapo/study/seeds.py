@@ -425,7 +425,7 @@ def write_report(out: Path, groups: dict[str, list[Run]], window: Window = ALL_S
     margin = endpoints.bound_gradient(first, k) if first is not None else None
     # Read with the figure the plan wrote, two significant digits (0.014 for 0.003/0.015 at k = 8: 0.01371 exactly)
     plan = endpoints.report({label: {run_seed(r): r.path for r in runs} for label, runs in groups.items()}, fixed,
-                            control, float(f"{margin:.2g}") if margin else None)
+                            control, float(f"{margin:.2g}") if margin else None, out)
     # With a plan (--control) its endpoints come first and every later section says what it is to the plan: a
     # reader must not meet the training tables' uncorrected stars before the pre-registered test.
     role = {"val": " (exploratory: not in the plan)", "train": " (secondary: reward/mean; the rest exploratory; "
