@@ -196,8 +196,10 @@ def test_the_report_reads_each_endpoint_off_the_runs(tmp_path):
     assert "E1 and E3 need every run's rollouts.jsonl" in text and "| E2 mean is_adv_corr, Δ |" in text
     assert "E1 log-ratio slope" not in text
     # with --control the family is still read: the missing E1 and E3 count as p = 1 in Holm and read not estimable
-    text = "\n".join(ep.report(groups, {"GSPO": 0.003}, control="GSPO", e1_margin=0.014))
+    text = "\n".join(ep.report(groups, {"GSPO": 0.003}, control="GSPO", e1_margin=0.014, out=tmp_path / "out"))
     assert "The plan's primary family is incomplete here (E1, E3 without runs or without a p)" in text
+    stubs = [r for r in json.loads((tmp_path / "out" / "endpoints.json").read_text()) if r["labels"] is None]
+    assert [(r["endpoint"], r["primary"], r["reading"]) for r in stubs] == [(e, True, ep.NO_ROW) for e in ("E1", "E3")]
     p_e2 = holm([e2.p_t, 1.0, 1.0])[0]
     assert f"| {e2.mean:+.4g} [{e2.lo:+.4g}, {e2.hi:+.4g}] | {p_e2:.3g} | {ep.reading('E2', e2, p_e2)} |" in text
     for e in ("E1", "E3"):
@@ -223,6 +225,12 @@ def test_a_seed_without_a_value_is_named_with_why_in_every_row_it_misses(tmp_pat
     e1 = saved["E1 log-ratio slope on (k-c)/k"]
     assert e1["seeds"] == [0, 1] and list(e1["without"]) == ["2"] and "share one advantage" in e1["without"]["2"]
     assert saved["E3 P(clip) slope on (k-c)/k under the run's rule, Δ"]["without"]["3"] == "GSPO: no run"
+    # GSPO's E1 has two seeds: a t interval; a row of one seed has none, and JSON (which has no NaN) says null
+    one = {label: {0: runs[0]} for label, runs in groups.items()}
+    ep.report(one, {"GSPO": 0.003}, control="GSPO", out=tmp_path)
+    saved = {r["endpoint"]: r for r in json.loads((tmp_path / "endpoints.json").read_text())}
+    e1 = saved["E1 log-ratio slope on (k-c)/k"]
+    assert e1["seeds"] == [0] and e1["mean"] is not None and e1["lo"] is e1["p_t"] is e1["p_holm_family"] is None
     rows = {line.split(" | ")[0][2:]: line for line in table.splitlines() if line.startswith("| E")}
     assert "| 2 (0, 1); none: 2 |" in rows["E1 log-ratio slope on (k-c)/k"]
     assert "| 3 (0, 1, 2); none: 3 |" in rows["E2 mean is_adv_corr, Δ"]

@@ -231,6 +231,7 @@ def bound_gradient(a: AlgorithmConfig, k: int) -> float | None:
 
 # The plan's predicted sign of each primary endpoint (experiments/demo_mechanism_plan.md, "Endpoints").
 PREDICTED = {"E1": +1, "E2": +1, "E3": -1}
+NO_ROW = "not estimable (no row: its runs or their rollouts are missing)"
 
 
 def reading(endpoint: str, a: AcrossSeeds, p_holm: float, e1_margin: float | None = None) -> str:
@@ -346,6 +347,7 @@ def report(groups: dict[str, dict[int, Path]], fixed_eps_hi: dict[str, float], c
         lines += ["", "Seeds without a value, kept in the design and named here (none is replaced or dropped):", ""]
         lines += [f"- {name} ({label}): " + "; ".join(f"seed {s}: {w}" for s, w in a.without.items())
                   for name, label, a in unvalued]
+    absent = [e for e in PREDICTED if e not in {rows[i][0].split()[0] for i in primary}] if control is not None else []
     read = {i: reading(rows[i][0].split()[0], rows[i][2], family[i] if math.isfinite(rows[i][2].p_t) else math.nan,
                        e1_margin) for i in primary}
     if control is not None:
@@ -359,9 +361,7 @@ def report(groups: dict[str, dict[int, Path]], fixed_eps_hi: dict[str, float], c
             name, label, a = rows[i]
             p = family[i] if math.isfinite(a.p_t) else float("nan")
             lines.append(f"| {name} | {label} | {a.mean:+.4g} [{a.lo:+.4g}, {a.hi:+.4g}] | {p:.3g} | {read[i]} |")
-        present = {rows[i][0].split()[0] for i in primary}
-        lines += [f"| {e} | | | | not estimable (no row: its runs or their rollouts are missing) |"
-                  for e in PREDICTED if e not in present]
+        lines += [f"| {e} | | | | {NO_ROW} |" for e in absent]
     if out is not None:
         def num(x: float | None) -> float | None:  # JSON has no NaN: a statistic without spread is null
             return float(x) if x is not None and math.isfinite(x) else None
@@ -372,11 +372,15 @@ def report(groups: dict[str, dict[int, Path]], fixed_eps_hi: dict[str, float], c
                    "p_sign_flip": num(a.p_flip), "p_holm_every_row": num(p),
                    "p_holm_family": num(family.get(i) if math.isfinite(a.p_t) else None), "reading": read.get(i)}
                   for i, ((name, label, a), p) in enumerate(zip(rows, adjusted, strict=True))]
+        values += [{"endpoint": e, "labels": None, "primary": True, "seeds": [], "values": [], "without": {},
+                    "reading": NO_ROW} for e in absent]
         (out / "endpoints.json").write_text(json.dumps(values, indent=1, allow_nan=False) + "\n", encoding="utf-8")
         named = ["endpoints.json: every row's per-seed values"]
         if primary:
             figure([rows[i] for i in primary], e1_margin).savefig(out / "endpoints.png", dpi=110)
             named.append("endpoints.png: the primary family's per-seed values")
+        else:
+            (out / "endpoints.png").unlink(missing_ok=True)  # an earlier report's family is not this one's
         lines += ["", f"Beside this report: {'; '.join(named)}."] + (["", "![endpoints.png](endpoints.png)"]
                                                                         if primary else [])
     if dec is not None and len(labels) > 1:
@@ -412,6 +416,8 @@ def figure(rows: list[tuple[str, str, AcrossSeeds]], e1_margin: float | None = N
         if len(a.seeds) > 1 and math.isfinite(a.lo):
             ax.errorbar([0.6], [a.mean], yerr=[[a.mean - a.lo], [a.hi - a.mean]], fmt="s", color="black", capsize=4,
                         label="mean, 95 % t interval")
+        elif a.seeds:  # one seed, or no spread: the mean without an interval
+            ax.plot([0.6], [a.mean], "s", color="black", label="mean (no interval)")
         ax.axhline(0, color="gray", linewidth=0.8)
         if endpoint == "E1" and e1_margin:
             ax.axhline(e1_margin, color="tab:red", linestyle="--", linewidth=0.8,

@@ -428,8 +428,10 @@ def write_report(out: Path, groups: dict[str, list[Run]], window: Window = ALL_S
                             control, float(f"{margin:.2g}") if margin else None, out)
     # With a plan (--control) its endpoints come first and every later section says what it is to the plan: a
     # reader must not meet the training tables' uncorrected stars before the pre-registered test.
-    role = {"val": " (exploratory: not in the plan)", "train": " (secondary: reward/mean; the rest exploratory; "
-            "p uncorrected)", "band": " (secondary)", "pooled": " (exploratory)"} if control else {}
+    role = {"val": " (exploratory; the plan's held-out pass@1 is `gapo-compare table`'s, secondary)",
+            "train": " (secondary: reward/mean; is_adv_corr is E2, read in the endpoints; the rest exploratory; "
+                     "p uncorrected)", "band": " (secondary)", "pooled": " (exploratory)",
+            "figures": " (exploratory)"} if control else {}
     if control:
         lines += ["", "With --control the plan's endpoints come first; every later section's heading says whether "
                   "the plan lists it as secondary or not at all (exploratory)."] + plan
@@ -455,7 +457,7 @@ def write_report(out: Path, groups: dict[str, list[Run]], window: Window = ALL_S
     if notes:
         lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
     figures = build_figures(groups, window, smooth)
-    lines += ["", "## Figures", ""]
+    lines += ["", f"## Figures{role.get('figures', '')}", ""]
     for name, fig in figures.items():
         if fig is None:
             (out / name).unlink(missing_ok=True)
