@@ -388,6 +388,10 @@ class TrainerConfig(_Section):
                                           "each must be a step that is saved (a multiple of save_every).")
     keep_every: int = Field(0, ge=0, description="Never prune a checkpoint whose step is a multiple of this (the "
                                                  "steps a table or figure evaluates); 0: off.")
+    save_only_model: bool = Field(
+        False, description="Checkpoints hold the policy's weights (hf/, what gapo-eval and model.path read) and not "
+                           "DeepSpeed's optimizer state or the RNG: about a quarter of the disk in fp32 (HF's "
+                           "save_only_model). They cannot be resumed; a preemption's checkpoint is still whole.")
     eval_every: int = Field(0, ge=0)
     lr: float = Field(1e-6, gt=0.0, description="AdamW's peak learning rate (trainer.lr_schedule shapes it).")
     lr_schedule: Literal["constant", "cosine"] = "constant"

@@ -515,6 +515,51 @@ def test_a_step_past_the_deadline_is_abandoned_twice_and_the_run_resumes_exactly
     assert_same_steps(metrics(base(1)), metrics(out), [1, 2, 3, 4])
 
 
+def _safetensors(ckpt: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(ckpt / "hf" / "model.safetensors")
+
+
+@pytest.mark.e2e
+def test_weights_only_checkpoints_are_evaluable_not_resumable_and_a_preemption_still_saves_whole(base, tmp_path):
+    """trainer.save_only_model: a checkpoint is hf/ (the same export as a whole checkpoint's), trainer.json,
+    config.yaml and manifest.json. Both of a preemption's saves stay whole, so the requeued job resumes exactly:
+    the end-of-step one (signal in step 3: step 3 whole) and the abandoned step's (signal in step 5 with no time:
+    step 4 re-saved whole). A weights-only checkpoint given to --resume is refused, saying what it is good for.
+    (6 steps: the schedule is constant, so the first 4 are the 4-step reference's.)"""
+    out, ck = tmp_path / "w", tmp_path / "w" / "checkpoints"
+    args = ["trainer.total_steps=6", "trainer.keep_last=6", "trainer.save_only_model=true"]
+    r = run(out, *args, env={**ENV, "GAPO_FAULT": "signal:3"}, ok=False)
+    assert r.returncode == 75 and "step 3 saved" in r.stderr, r.stderr[-3000:]
+
+    def kind(step: int) -> str:
+        d = ck / f"step_{step:06d}"
+        weights_only = json.loads((d / "trainer.json").read_text())["weights_only"]
+        files = {p.name for p in d.iterdir()}
+        assert files >= {"hf", "trainer.json", "config.yaml", "manifest.json"}
+        assert ("ds" in files) == (not weights_only) and any(f.startswith("rng_") for f in files) == (not weights_only)
+        return "weights" if weights_only else "whole"
+
+    assert (kind(2), kind(3)) == ("weights", "whole")
+    size = {s: sum(f.stat().st_size for f in (ck / f"step_{s:06d}").rglob("*") if f.is_file()) for s in (2, 3)}
+    assert size[2] < size[3] / 2, size  # fp32: 4 of about 16 bytes a parameter
+    r = run(out, *args, "trainer.preempt_deadline_s=1e-6", "--resume", "auto", env={**ENV, "GAPO_FAULT": "signal:5"},
+            ok=False)
+    assert r.returncode == 75 and "step 5 abandoned" in r.stderr and "step 4 saved" in r.stderr, r.stderr[-3000:]
+    assert kind(4) == "whole"
+    run(out, *args, "--resume", "auto")
+    assert sorted(p.name for p in ck.glob("step_*")) == [f"step_00000{s}" for s in (2, 3, 4, 6)]  # save_every 2
+    assert [kind(s) for s in (2, 3, 4, 6)] == ["weights", "whole", "whole", "weights"]
+    assert_same_steps(metrics(base(1)), metrics(out), [1, 2, 3, 4])
+    for step in (2, 4):  # the weights-only export is the whole one's, tensor for tensor
+        mine, ref = _safetensors(ck / f"step_{step:06d}"), _safetensors(base(1) / "checkpoints" / f"step_{step:06d}")
+        assert mine.keys() == ref.keys() and all(mine[k].equal(ref[k]) for k in ref)
+    r = run(tmp_path / "again", "trainer.total_steps=8", resume=ck / "step_000006", ok=False)
+    assert r.returncode == 2 and f"checkpoint {ck / 'step_000006'} holds only the policy's weights" in r.stderr
+    assert f"model.path={ck / 'step_000006' / 'hf'} starts a new run" in r.stderr and not (tmp_path / "again").exists()
+
+
 @contextlib.contextmanager
 def _tmpfs(folder: Path, size: str):
     """A tmpfs of `size` at `folder` (where the machine lets us mount one: as root, like our CI), else None. Our CI

@@ -801,3 +801,12 @@ def test_a_sweep_whose_checkpoints_exceed_the_free_disk_is_warned_before_its_fir
         f"{tmp_path}:" in said  # (the folder does not exist yet: its nearest existing parent)
     monkeypatch.setattr(budget.shutil, "disk_usage", lambda p: usage(10**12, 0, 200 * 10**9))
     assert budget.disk_shortfall(js, tmp_path / "demo_mechanism") is None
+    # weights only (trainer.save_only_model=true, given to gapo-sweep): 134.5 M x 4 bytes (fp32) a run, 25.8 GB in all
+    m = load_manifest("demo_mechanism")
+    m_slim = m.model_copy(update={"runs": [r.model_copy(update={"overrides": [*r.overrides, "trainer.save_only_model="
+                                                                               "true"]}) for r in m.runs]})
+    slim = jobs(m_slim, tmp_path)
+    monkeypatch.setattr(budget.shutil, "disk_usage", lambda p: usage(10**12, 0, 9 * 10**9))
+    assert budget.disk_shortfall(slim, tmp_path / "demo_mechanism").startswith("the 48 run(s) left keep about 25.8 GB")
+    whole, weights = (float(re.search(r"disk +([\d.]+) TB", budget.budget(*x))[1]) for x in ((m, js), (m_slim, slim)))
+    assert (whole, weights) == (0.10, 0.03)

@@ -20,7 +20,8 @@ def budget(m: Manifest, js: list[Job]) -> str:
     at mean response length half of max_new_tokens, P the parameters, on H100-class bf16 (PEAK_FLOPS). An
     evaluation is generation only: every problem of the protocol's benchmarks (BENCHMARK_SIZES) x n samples, per
     evaluated checkpoint. Disk: a checkpoint holds the exported weights and DeepSpeed's state (the fp32 weights
-    and Adam's two moments, and the bf16 weights in bf16 runs): CHECKPOINT_BYTES_PER_PARAM bytes per parameter."""
+    and Adam's two moments, and the bf16 weights in bf16 runs): CHECKPOINT_BYTES_PER_PARAM bytes per parameter; the
+    exported weights only under trainer.save_only_model."""
     from gapo.memory import memory_plan, param_count
     from gapo.models import model_facts
 
@@ -59,8 +60,8 @@ def budget(m: Manifest, js: list[Job]) -> str:
         eval_hours = evaluated * _eval_gpu_hours(p, samples, cfg.data.max_prompt_tokens, new_tokens)
         kept, whole = _kept_checkpoints(cfg, j)
         weight_bytes = p * (2 if cfg.model.dtype == "bfloat16" else 4)
-        disk = kept * CHECKPOINT_BYTES_PER_PARAM * p
-        disk_weights = whole * CHECKPOINT_BYTES_PER_PARAM * p + (kept - whole) * weight_bytes
+        disk = kept * checkpoint_bytes(cfg, p)
+        disk_weights = whole * checkpoint_bytes(cfg, p) + (kept - whole) * weight_bytes
         train_total, eval_total = train_total + hours, eval_total + eval_hours
         disk_total, disk_weights_total = disk_total + disk, disk_weights_total + disk_weights
         lines.append(f"  {j.run.name} seed {j.seed}: {gpus} GPUs, memory plan {plan.total / 2**30:.0f} of 80 GB "
@@ -79,9 +80,12 @@ def budget(m: Manifest, js: list[Job]) -> str:
               + (f"; {', '.join(unknown)} of unknown size, not counted" if unknown else "") + ")",
               f"  total      ~{train_total + eval_total:,.0f} GPU-hours (FLOP estimates at {GEN_MFU:.0%} MFU for "
               f"generation, {TRAIN_MFU:.0%} for training, H100 bf16; see gapo.study.budget)",
-              f"  disk       {disk_total / 1e12:,.2f} TB for the kept checkpoints with their optimizer state; "
-              f"{disk_weights_total / 1e12:,.2f} TB if those kept only for evaluation held only their weights "
-              "(the newest trainer.keep_last whole; not implemented yet: gapo keeps every checkpoint whole)"]
+              f"  disk       {disk_total / 1e12:,.2f} TB for the kept checkpoints (with their optimizer state unless "
+              "trainer.save_only_model)" + ("" if disk_weights_total == disk_total else
+                                            f"; {disk_weights_total / 1e12:,.2f} TB if those kept only for evaluation "
+                                            "held only their weights, the newest trainer.keep_last whole (not "
+                                            "implemented: trainer.save_only_model=true makes every checkpoint weights "
+                                            "only, which no run can resume)")]
     return "\n".join(lines)
 
 
@@ -129,14 +133,21 @@ def disk_shortfall(js: list[Job], root: Path) -> str | None:
         cfg = load_config(j.config, j.args)
         facts = model_facts(cfg.model.path)
         if facts:
-            need += _kept_checkpoints(cfg, j)[0] * CHECKPOINT_BYTES_PER_PARAM * param_count(facts)
+            need += _kept_checkpoints(cfg, j)[0] * checkpoint_bytes(cfg, param_count(facts))
     where = next(p for p in (root, *root.parents) if p.exists())
     free = shutil.disk_usage(where).free
     if need <= free:
         return None
     return (f"the {len(js)} run(s) left keep about {need / 1e9:,.1f} GB of checkpoints and {free / 1e9:,.1f} GB are "
             f"free under {where}: a run stops at its start when its next checkpoint cannot fit (free space, lower "
-            "trainer.keep_last, or move --output-root)")
+            "trainer.keep_last, set trainer.save_only_model=true where no run is resumed, or move --output-root)")
+
+
+def checkpoint_bytes(cfg: Config, params: int) -> int:
+    """One checkpoint on disk: the exported weights, with DeepSpeed's state unless trainer.save_only_model."""
+    if cfg.trainer.save_only_model:
+        return params * (2 if cfg.model.dtype == "bfloat16" else 4)
+    return CHECKPOINT_BYTES_PER_PARAM * params
 
 
 def _kept_checkpoints(cfg: Config, j: Job) -> tuple[int, int]:

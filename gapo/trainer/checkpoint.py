@@ -3,7 +3,8 @@
 Layout of a run directory:
 
     <output_dir>/checkpoints/step_000600/
-        ds/                 DeepSpeed engine state (model, optimizer, LR scheduler), one shard per rank
+        ds/                 DeepSpeed engine state (model, optimizer, LR scheduler), one shard per rank; absent,
+                            with the RNG states, in a weights-only checkpoint (trainer.save_only_model)
         hf/                 the policy as a Hugging Face model + tokenizer (gapo-eval, vLLM, transformers)
         trainer.json        step, sampler position, wandb id, parent run, world size (another one re-shards)
         rng_rank{r}.pt      python / numpy / torch (and CUDA, on GPU) RNG states of every rank
@@ -47,8 +48,8 @@ log = logging.getLogger("gapo.checkpoint")
 # What may differ between a checkpoint's config and the run that resumes it. Anything else (the model,
 # the data, group size, batch shapes, optimizer settings held in the optimizer state) is refused.
 MAY_CHANGE = ("algorithm.", "trainer.resume_from", "trainer.total_steps", "trainer.output_dir", "trainer.save_every",
-              "trainer.keep_last", "trainer.keep_steps", "trainer.keep_every", "trainer.eval_every",
-              "trainer.log_rollouts", "trainer.max_skipped_steps", "trainer.preempt_deadline_s",
+              "trainer.keep_last", "trainer.keep_steps", "trainer.keep_every", "trainer.save_only_model",
+              "trainer.eval_every", "trainer.log_rollouts", "trainer.max_skipped_steps", "trainer.preempt_deadline_s",
               "trainer.collective_timeout_min", "trainer.check_memory", "tracking.", "reward.", "eval.",
               "rollout.engine", "rollout.compile", "rollout.kv_cache_gb", "rollout.gpu_memory_utilization",
               "rollout.sleep_between_steps", "rollout.verify_push", "rollout.push_tolerance", "rollout.mismatch_alarm",
@@ -69,6 +70,7 @@ class TrainerState:
     # Split placement, rollout.max_staleness > 0: the steps after this one whose prompts were drawn and rollouts
     # sampled already; each rank's are in in_flight_name(rank), so that the resumed run trains on the same ones.
     in_flight: list[int] = field(default_factory=list)
+    weights_only: bool = False  # trainer.save_only_model: hf/ without ds/ or RNG: evaluated, never resumed
 
 
 def in_flight_name(rank: int) -> str:
@@ -104,7 +106,8 @@ class CheckpointError(RuntimeError):
 
 
 def save(actor, tokenizer, cfg: Config, state: TrainerState, run_dir: Path, in_flight: dict | None = None) -> Path:
-    """Collective: every rank calls it. Returns the checkpoint directory.
+    """Collective: every rank calls it. Returns the checkpoint directory. `state.weights_only`: hf/, trainer.json and
+    config.yaml only (trainer.save_only_model).
 
     Refuses before writing when the disk has less room than the checkpoint needs (its predecessor's size, or an
     estimate from the parameter count); a write that fails anyway on any rank (ENOSPC arrives as OSError from our
@@ -119,7 +122,7 @@ def save(actor, tokenizer, cfg: Config, state: TrainerState, run_dir: Path, in_f
         if tmp.exists():
             shutil.rmtree(tmp)  # left by a crash during an earlier attempt at this step
         tmp.mkdir(parents=True)
-        failure = _room_for(root, _expected_bytes(root, actor))
+        failure = _room_for(root, _expected_bytes(root, actor, state.weights_only))
     if (failure := gather(failure)[0]) is not None:
         _abandon(tmp, rank)
         raise CheckpointError(failure)
@@ -128,12 +131,13 @@ def save(actor, tokenizer, cfg: Config, state: TrainerState, run_dir: Path, in_f
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp))
         if injected("fill") == str(state.step) and rank == 0:
             _fill(root)  # the disk fills up after the room check: the real writers below meet a real ENOSPC
-        # With LoRA the frozen base weights are left out (they are model.path's): adapters and optimizer state only.
-        actor.deepspeed.save_checkpoint(str(tmp / "ds"), tag="state", save_latest=False,
-                                     exclude_frozen_parameters=cfg.model.lora is not None)
-        torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
-        if state.in_flight:
-            torch.save(in_flight, tmp / in_flight_name(rank))
+        if not state.weights_only:  # each rank's own state (a weights-only checkpoint's weights are gathered below)
+            # With LoRA the frozen base weights are left out (they are model.path's): adapters and optimizer state.
+            actor.deepspeed.save_checkpoint(str(tmp / "ds"), tag="state", save_latest=False,
+                                         exclude_frozen_parameters=cfg.model.lora is not None)
+            torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+            if state.in_flight:
+                torch.save(in_flight, tmp / in_flight_name(rank))
     except WRITE_ERRORS as err:
         failure = f"rank {rank}: {err}"
     state_dict = _export_state_dict(actor, rank)
@@ -150,7 +154,7 @@ def save(actor, tokenizer, cfg: Config, state: TrainerState, run_dir: Path, in_f
     failures = [f for f in gather(failure) if f]
     if failures:
         _abandon(tmp, rank)
-        need = _expected_bytes(root, actor)
+        need = _expected_bytes(root, actor, state.weights_only)
         raise CheckpointError(f"checkpoint of step {state.step} could not be written to {tmp} ({'; '.join(failures)}); "
                               f"it needs about {need / 2**30:.2f} GiB, {shutil.disk_usage(root).free / 2**30:.2f} GiB "
                               "are free. The partial checkpoint was removed; the earlier ones are intact")
@@ -193,15 +197,18 @@ def _fill(root: Path) -> None:
         os.close(fd)
 
 
-def _expected_bytes(root: Path, actor) -> int:
-    """The newest complete checkpoint's size, or (none yet) the DeepSpeed state (weights, fp32 master and Adam
-    moments: 16 bytes a parameter in bf16, 12 in fp32; with LoRA the adapters' only) plus the 16/32-bit export."""
+def _expected_bytes(root: Path, actor, weights_only: bool) -> int:
+    """The newest complete checkpoint's size when it is of the same kind (whole or weights only), else an estimate:
+    the 16/32-bit export, plus for a whole one the DeepSpeed state (weights, fp32 master and Adam moments: 16 bytes a
+    parameter in bf16, 12 in fp32; with LoRA the adapters' only)."""
     done = rundir.checkpoints(root.parent)
     if done:
         newest = done[max(done)]
-        return sum(p.stat().st_size for p in newest.rglob("*") if p.is_file())
+        if (newest / "ds").is_dir() != weights_only:
+            return sum(p.stat().st_size for p in newest.rglob("*") if p.is_file())
     params = sum(getattr(p, "ds_numel", p.numel()) for p in actor.module.parameters())
-    trained = sum(getattr(p, "ds_numel", p.numel()) for p in actor.module.parameters() if p.requires_grad)
+    trained = 0 if weights_only else sum(getattr(p, "ds_numel", p.numel()) for p in actor.module.parameters()
+                                         if p.requires_grad)
     bf16 = actor.cfg.model.dtype == "bfloat16"
     return trained * (2 + 4 + 4 + 4 if bf16 else 4 + 4 + 4) + params * (2 if bf16 else 4)
 
@@ -223,7 +230,8 @@ def check_room(actor, run_dir: Path) -> None:
     failure = None
     if dist.get_rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
-        failure = _room_for(root, _expected_bytes(root, actor), "the run stopped before training")
+        failure = _room_for(root, _expected_bytes(root, actor, actor.cfg.trainer.save_only_model),
+                            "the run stopped before training")
     if (failure := gather(failure)[0]) is not None:
         raise CheckpointError(failure)
 
@@ -334,6 +342,10 @@ def read(ckpt: Path) -> tuple[TrainerState, Config]:
         saved = resolve(read_yaml((ckpt / rundir.CONFIG).read_text()))
     except (OSError, ValueError, TypeError) as err:
         raise ConfigError(f"checkpoint {ckpt}: cannot read trainer.json / config.yaml ({err})") from None
+    if state.weights_only:
+        raise ConfigError(f"checkpoint {ckpt} holds only the policy's weights (written with trainer.save_only_model="
+                          f"true): it cannot be resumed. gapo-eval evaluates it; model.path={ckpt / 'hf'} starts a new "
+                          "run from its weights")
     for must in ["ds/state", "hf/config.json"]:
         if not (ckpt / must).exists():
             raise ConfigError(f"checkpoint {ckpt}: {must} is missing; the checkpoint is incomplete or damaged")

@@ -19,6 +19,7 @@ import random
 import signal
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -254,12 +255,14 @@ def steps(s: Setup, rank: int, world: int) -> Path:
     # The checkpoint this run loaded is the state its first step starts from: abandoning that step saves nothing.
     loaded_here = s.loaded is not None and s.loaded.parent.resolve() == (run_dir / rundir.CHECKPOINTS).resolve()
 
-    def save(step: int, ahead: list[int] | None = None) -> None:
-        """Checkpoint `step`; the requests of the steps after it (`ahead`, default all) go in with their rollouts."""
-        in_flight = rollouts.ahead(step, ahead)
+    def save(step: int, ahead: list[int] | None = None, preempted: bool = False) -> None:
+        """Checkpoint `step`; the requests of the steps after it (`ahead`, default all) go in with their rollouts. A
+        preemption's checkpoint is whole under trainer.save_only_model too: the requeued job resumes it."""
+        weights_only = t.save_only_model and not preempted
+        in_flight = {} if weights_only else rollouts.ahead(step, ahead)
         checkpoint.save(actor, s.tokenizer, cfg, checkpoint.TrainerState(
             step=step, sampler=s.sampler.state_dict(), world_size=world, wandb_id=s.wandb_id, parent=s.parent,
-            in_flight=sorted(in_flight)), run_dir, in_flight=in_flight)
+            in_flight=sorted(in_flight), weights_only=weights_only), run_dir, in_flight=in_flight)
 
     if s.benches and s.first_step == 1 and s.loaded is None:
         val_history.append((0, validate(s, 0, rank)))
@@ -290,7 +293,8 @@ def steps(s: Setup, rank: int, world: int) -> Path:
         batch = StepBatch.scored(step, version, problems, groups, results, cfg)
         check_rewards(batch.flat_results, cfg.reward.max_error_frac, step, actor.device)
         preempt.abandon_if_late(start, last_rest_s + last_save_s, t.preempt_deadline_s, actor.device, s.sampler,
-                                None if step == s.first_step and loaded_here else save, run_dir / rundir.CHECKPOINTS)
+                                None if step == s.first_step and loaded_here else partial(save, preempted=True),
+                                run_dir / rundir.CHECKPOINTS)
         rest_tic = time.perf_counter()
 
         # --- 3. micro-batches, old log-probs (and entropy, engine/trainer mismatch) ------------------------------
@@ -335,7 +339,7 @@ def steps(s: Setup, rank: int, world: int) -> Path:
         last_rest_s = time.perf_counter() - rest_tic
         if (t.save_every and step % t.save_every == 0) or step == t.total_steps or since is not None:
             tic = time.perf_counter()
-            save(step)
+            save(step, preempted=since is not None)
             last_save_s = time.perf_counter() - tic
         preempt.stop_if_signalled(since, step, t.total_steps, run_dir / rundir.CHECKPOINTS)
     rollouts.close("done")
