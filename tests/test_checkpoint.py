@@ -522,7 +522,8 @@ def _safetensors(ckpt: Path) -> dict:
 
 
 @pytest.mark.e2e
-def test_weights_only_checkpoints_are_evaluable_not_resumable_and_a_preemption_still_saves_whole(base, tmp_path):
+def test_weights_only_checkpoints_are_evaluable_not_resumable_and_a_preemption_still_saves_whole(base, tmp_path,
+                                                                                                   caplog):
     """trainer.save_only_model: a checkpoint is hf/ (the same export as a whole checkpoint's), trainer.json,
     config.yaml and manifest.json. Both of a preemption's saves stay whole, so the requeued job resumes exactly:
     the end-of-step one (signal in step 3: step 3 whole) and the abandoned step's (signal in step 5 with no time:
@@ -552,9 +553,21 @@ def test_weights_only_checkpoints_are_evaluable_not_resumable_and_a_preemption_s
     assert sorted(p.name for p in ck.glob("step_*")) == [f"step_00000{s}" for s in (2, 3, 4, 6)]  # save_every 2
     assert [kind(s) for s in (2, 3, 4, 6)] == ["weights", "whole", "whole", "weights"]
     assert_same_steps(metrics(base(1)), metrics(out), [1, 2, 3, 4])
-    for step in (2, 4):  # the weights-only export is the whole one's, tensor for tensor
+    for step in (2, 4):  # step 2's weights-only export is the whole one's, tensor for tensor (step 4: whole, too)
         mine, ref = _safetensors(ck / f"step_{step:06d}"), _safetensors(base(1) / "checkpoints" / f"step_{step:06d}")
         assert mine.keys() == ref.keys() and all(mine[k].equal(ref[k]) for k in ref)
+    # --resume auto (a requeue after a node failure) goes on from the newest whole checkpoint, the weights-only
+    # ones after it skipped with a warning each; with none whole it says so
+    from gapo.trainer.checkpoint import newest_valid
+
+    with caplog.at_level("WARNING", logger="gapo.checkpoint"):
+        assert newest_valid(out) == ck / "step_000004"
+    assert "skipping step 6: it holds only the policy's weights (trainer.save_only_model)" in caplog.text
+    for step in (3, 4):
+        shutil.rmtree(ck / f"step_{step:06d}")
+    assert newest_valid(out) is None
+    r = run(out, *args, "--resume", "auto", ok=False)
+    assert r.returncode == 2 and "none of them verifies and holds more than weights" in r.stderr, r.stderr[-3000:]
     r = run(tmp_path / "again", "trainer.total_steps=8", resume=ck / "step_000006", ok=False)
     assert r.returncode == 2 and f"checkpoint {ck / 'step_000006'} holds only the policy's weights" in r.stderr
     assert f"model.path={ck / 'step_000006' / 'hf'} starts a new run" in r.stderr and not (tmp_path / "again").exists()
@@ -734,3 +747,22 @@ def test_ranks_killed_by_a_preemption_signal_before_their_handler_are_preempted_
     assert exit_code({usr1, 75}, {signal.SIGUSR1}) == 75
     assert exit_code({term}) is None and exit_code({usr1}, {signal.SIGTERM}) is None  # not the signal it handed on
     assert exit_code({1, term}, {signal.SIGTERM}) is None  # a rank that failed on its own: named by the caller
+
+
+def test_a_whole_checkpoint_is_estimated_at_4x_a_weights_only_one_in_fp32_8x_in_bf16_less_with_frozen_weights():
+    """trainer.save_only_model times weights-only saves; a preemption's is whole, and its deadline scales the time by
+    this ratio (16 bytes a parameter in bf16 over the 2 of the export; 16 over 4 in fp32; LoRA trains few)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from gapo.trainer.checkpoint import whole_over_weights
+
+    def actor(dtype: str, frozen: bool = False):
+        module = torch.nn.Sequential(torch.nn.Linear(10, 10), torch.nn.Linear(10, 10))
+        if frozen:
+            module[0].requires_grad_(False)
+        return SimpleNamespace(module=module, cfg=SimpleNamespace(model=SimpleNamespace(dtype=dtype)))
+
+    assert whole_over_weights(actor("float32")) == 4 and whole_over_weights(actor("bfloat16")) == 8
+    assert whole_over_weights(actor("float32", frozen=True)) == (12 * 110 + 4 * 220) / (4 * 220)

@@ -93,6 +93,21 @@ def test_paper_page_and_manifest_commands_never_share_an_output_directory():
             dirs[d] = (name, j.run.name)
 
 
+def test_weights_only_checkpoints_are_refused_to_a_run_that_others_branch_from(tmp_path):
+    """trainer.save_only_model given to a sweep with an intervention: the parent's branch point would hold only
+    weights, which no branch can resume; gapo-sweep's check says so before any run (the branch itself may use it).
+    (A parent another manifest owns, as fig7_intervention's, keeps whatever its own sweep was given.)"""
+    from gapo.study.manifest import check
+
+    m = load_manifest("tiny_cluster")
+    slim = m.model_copy(update={"runs": [r.model_copy(update={"overrides": [*r.overrides, "trainer.save_only_model="
+                                                                             "true"]}) for r in m.runs]})
+    parent = next(b.branch.run for b in m.runs if b.branch)
+    with pytest.raises(ConfigError, match=rf"run {parent}: trainer.save_only_model=true, but run\(s\) \S+ branch from"):
+        check(slim, jobs(slim, tmp_path))
+    check(m, jobs(m, tmp_path))
+
+
 def test_a_branch_is_evaluated_after_its_branch_point_and_reads_its_parents_before(tmp_path):
     """The intervention's branch starts at GSPO's step 600 and saves no step 600 of its own: its evaluation asks only
     for its later checkpoints, and the table reads step 600 (the same weights) from the parent's evaluation."""

@@ -251,6 +251,10 @@ def check(m: Manifest, js: list[Job]) -> None:
             check_names(cfg)  # before any job starts, not after its model has loaded
         except ConfigError as err:
             raise ConfigError(f"run {j.run.name} seed {j.seed}: {err}") from None
+        if cfg.trainer.save_only_model and any(b.branch and b.branch.run == j.run.name for b in m.runs):
+            raise ConfigError(f"run {j.run.name}: trainer.save_only_model=true, but run(s) "
+                              f"{', '.join(b.name for b in m.runs if b.branch and b.branch.run == j.run.name)} "
+                              "branch from its checkpoint, which would hold only weights (not resumable)")
         final = cfg.trainer.total_steps
         if max(m.eval.steps) > final:
             raise ConfigError(f"eval.steps: {max(m.eval.steps)} is past run {j.run.name}'s trainer.total_steps={final}")

@@ -206,6 +206,16 @@ def _expected_bytes(root: Path, actor, weights_only: bool) -> int:
         newest = done[max(done)]
         if (newest / "ds").is_dir() != weights_only:
             return sum(p.stat().st_size for p in newest.rglob("*") if p.is_file())
+    return _estimate(actor, weights_only)
+
+
+def whole_over_weights(actor) -> float:
+    """How many times a whole checkpoint's bytes a weights-only one's are (estimated): under trainer.save_only_model
+    the saves a run times are weights-only, a preemption's is whole, and its deadline must expect that one."""
+    return _estimate(actor, weights_only=False) / _estimate(actor, weights_only=True)
+
+
+def _estimate(actor, weights_only: bool) -> int:
     params = sum(getattr(p, "ds_numel", p.numel()) for p in actor.module.parameters())
     trained = 0 if weights_only else sum(getattr(p, "ds_numel", p.numel()) for p in actor.module.parameters()
                                          if p.requires_grad)
@@ -230,8 +240,8 @@ def check_room(actor, run_dir: Path) -> None:
     failure = None
     if dist.get_rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
-        failure = _room_for(root, _expected_bytes(root, actor, actor.cfg.trainer.save_only_model),
-                            "the run stopped before training")
+        # whole even under trainer.save_only_model: a preemption's checkpoint is
+        failure = _room_for(root, _expected_bytes(root, actor, weights_only=False), "the run stopped before training")
     if (failure := gather(failure)[0]) is not None:
         raise CheckpointError(failure)
 
@@ -292,14 +302,20 @@ def verify(ckpt: Path) -> None:
 
 
 def newest_valid(run_dir: Path) -> Path | None:
-    """`--resume auto`: the newest checkpoint of the run that verifies, falling back past damaged ones (each said
-    with a warning); None when there is none (a fresh start)."""
+    """`--resume auto`: the newest checkpoint of the run that verifies and can be resumed, falling back past damaged
+    and weights-only ones (each said with a warning: a requeued trainer.save_only_model run goes on from its last
+    preemption's whole checkpoint); None when there is none (a fresh start)."""
     for step, ckpt in sorted(rundir.checkpoints(run_dir).items(), reverse=True):
         try:
             verify(ckpt)
-            return ckpt
         except ConfigError as err:
             log.warning("--resume auto: skipping step %d: %s", step, err)
+            continue
+        if json.loads((ckpt / rundir.STATE).read_text()).get("weights_only"):
+            log.warning("--resume auto: skipping step %d: it holds only the policy's weights "
+                        "(trainer.save_only_model)", step)
+            continue
+        return ckpt
     return None
 
 
@@ -398,8 +414,9 @@ def resume_or_branch(cfg: Config, world: int, rank: int) -> Start:
     if auto:
         ckpt = rank0_decides(lambda: newest_valid(run_dir), rank)
         if ckpt is None and rundir.checkpoints(run_dir):
-            raise ConfigError(f"--resume auto: {run_dir} holds checkpoints but none of them verifies (see the warnings "
-                              "above); resume one by name, or move the run away to start over")
+            raise ConfigError(f"--resume auto: {run_dir} holds checkpoints but none of them verifies and holds more "
+                              "than weights (see the warnings above); resume one by name, or move the run away to "
+                              "start over")
         if rank == 0:
             log.info("--resume auto: %s", f"going on from {ckpt}" if ckpt else
                      f"no checkpoint in {run_dir}: a fresh start")

@@ -268,6 +268,7 @@ def steps(s: Setup, rank: int, world: int) -> Path:
         val_history.append((0, validate(s, 0, rank)))
     skipped_in_a_row = 0
     last_rest_s = last_save_s = 0.0  # the previous step's time after scoring, and its checkpoint's: a deadline check
+    save_scale = checkpoint.whole_over_weights(actor) if t.save_only_model else 1.0  # a preemption's save is whole
     # Logged with the first step: process start to it (the step-0 validation included), and the branch's parent.
     first = {"time/startup_s": process_age(), **({"branch/parent_step": s.parent["step"]} if s.parent else {})}
     for step in tqdm(range(s.first_step, t.total_steps + 1), desc="steps", disable=rank != 0,
@@ -340,7 +341,7 @@ def steps(s: Setup, rank: int, world: int) -> Path:
         if (t.save_every and step % t.save_every == 0) or step == t.total_steps or since is not None:
             tic = time.perf_counter()
             save(step, preempted=since is not None)
-            last_save_s = time.perf_counter() - tic
+            last_save_s = (time.perf_counter() - tic) * save_scale
         preempt.stop_if_signalled(since, step, t.total_steps, run_dir / rundir.CHECKPOINTS)
     rollouts.close("done")
     if tracker:
