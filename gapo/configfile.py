@@ -125,7 +125,7 @@ def resolve(raw: dict | None = None, overrides: list[str] | tuple[str, ...] = ()
     tree = copy.deepcopy(raw) if raw else {}
     if not isinstance(tree, dict):
         raise ConfigError(f"configuration must be a mapping of sections, got {type(tree).__name__}")
-    _upgrade(tree)
+    upgrade(tree)
     tree = {k: ([] if k == "plugins" else {}) if v is None else v for k, v in tree.items()}  # left empty
     file_algo = tree.get("algorithm") or {}
     if not isinstance(file_algo, dict):
@@ -192,12 +192,18 @@ def default_output_dir(cfg: Config, name: str | None, method_overrides: list[tup
     return str(Path("runs") / (name or "run") / "-".join(parts) / f"seed{cfg.trainer.seed}")
 
 
-def _upgrade(tree: dict) -> None:
-    """Keys that configs written by earlier versions (run directories, checkpoints) carry, in today's terms."""
+def upgrade(tree: dict) -> None:
+    """Keys that configs written by earlier versions (run directories, checkpoints) carry, in today's terms, so that
+    a run trained before an upgrade resumes, evaluates and plots after it. In place."""
     rollout = tree.get("rollout")
     if isinstance(rollout, dict) and "enforce_eager" in rollout:  # before rollout.compile
         eager = rollout.pop("enforce_eager")
         rollout.setdefault("compile", "eager" if eager else "auto")
+    reward = tree.get("reward")
+    if isinstance(reward, dict) and "modules" in reward:  # before the top-level plugins (b97f3cd)
+        modules = reward.pop("modules") or []
+        plugins = tree.get("plugins") or []
+        tree["plugins"] = [*plugins, *(m for m in modules if m not in plugins)]
 
 
 def _merge(base: dict, top: dict) -> dict:

@@ -458,6 +458,35 @@ def test_a_run_is_scored_with_its_own_instruction_and_rewarder_settings(tmp_path
         run_jobs(parser().parse_args(["--run", str(tmp_path / "run"), "--benchmarks", "arithmetic"]), tmp_path / "run")
 
 
+def test_a_run_trained_by_an_earlier_gapo_is_evaluated_and_resolves(tmp_path):
+    """A run folder from before reward.modules became the top-level plugins (b97f3cd) still evaluates (gapo-eval read
+    its saved reward section as is, and stopped with a pydantic traceback) and resolves for a resume, its modules
+    now plugins; a reward section that does not load is named with its file."""
+    import yaml
+
+    from gapo import rundir
+    from gapo.config import ConfigError
+    from gapo.configfile import resolve
+    from gapo.study.eval import parser, run_jobs
+
+    ckpt = tmp_path / "run" / rundir.CHECKPOINTS / "step_000002"
+    ckpt.mkdir(parents=True)
+    (ckpt / rundir.STATE).write_text("{}")
+    old = {"model": {"dtype": "float32"}, "trainer": {"seed": 0},
+           "reward": {"math_last_number_fallback": True, "modules": []}}
+    (ckpt / rundir.CONFIG).write_text(yaml.safe_dump(old))
+    [job] = run_jobs(parser().parse_args(["--run", str(tmp_path / "run"), "--benchmarks", "arithmetic"]),
+                     tmp_path / "run")
+    assert job.reward.math_last_number_fallback
+    plugin = tmp_path / "my_rewarder.py"
+    plugin.write_text("")
+    cfg = resolve({**old, "reward": {"modules": [str(plugin)]}, "plugins": [str(plugin)]})
+    assert cfg.plugins == [str(plugin)] and "modules" not in cfg.reward.model_dump()  # once, not twice
+    (ckpt / rundir.CONFIG).write_text(yaml.safe_dump({**old, "reward": {"math_timeout_s": "soon"}}))
+    with pytest.raises(ConfigError, match=rf"{ckpt / rundir.CONFIG}: its reward or data section does not load"):
+        run_jobs(parser().parse_args(["--run", str(tmp_path / "run"), "--benchmarks", "arithmetic"]), tmp_path / "run")
+
+
 def test_gapo_eval_and_a_manifest_offer_the_configs_engine_choices():
     """--engine, --dtype and --compile of gapo-eval, and a sweep manifest's eval.compile, accept what the training
     config accepts: a mode added to the config reaches them."""

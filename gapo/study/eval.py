@@ -22,7 +22,7 @@ from pydantic import ValidationError
 
 from gapo import console, rundir
 from gapo.config import CompileMode, ConfigError, DataConfig, Dtype, EngineKind, RewardConfig
-from gapo.configfile import OVERRIDE, load_config, read_yaml
+from gapo.configfile import OVERRIDE, load_config, read_yaml, upgrade
 from gapo.errors import Exit
 from gapo.evaluation import (
     Bench,
@@ -298,6 +298,7 @@ def run_jobs(args: argparse.Namespace, run: Path) -> list[Job]:
     try:
         saved = read_yaml(where.read_text())
         dtype, run_seed = saved["model"]["dtype"], int(saved["trainer"]["seed"])
+        upgrade(saved)  # a run trained by an earlier gapo
     except (OSError, ValueError, TypeError, KeyError, yaml.YAMLError) as err:
         raise ConfigError(f"--run {run}: {where} cannot be read as the run's config ({type(err).__name__}: {err}); "
                           "a checkpoint that gapo-train wrote has it") from None
@@ -306,11 +307,11 @@ def run_jobs(args: argparse.Namespace, run: Path) -> list[Job]:
     seed = args.seed if args.seed is not None else run_seed
     instruction = args.instruction if args.instruction is not None else (
         (saved.get("eval") or {}).get("instruction") or (saved.get("data") or {}).get("instruction"))
-    reward = RewardConfig(**{**(saved.get("reward") or {}), "num_workers": args.workers})
     try:
+        reward = RewardConfig(**{**(saved.get("reward") or {}), "num_workers": args.workers})
         data = DataConfig.model_validate(saved.get("data") or {})
     except ValidationError as err:
-        raise ConfigError(f"{found[steps[0]] / rundir.CONFIG}: its data section does not load: {err}") from None
+        raise ConfigError(f"{where}: its reward or data section does not load: {err}") from None
     name = args.name or (Path(args.protocol).stem if args.protocol else "custom")
     jobs = []
     for step in steps:
