@@ -573,6 +573,18 @@ def test_weights_only_checkpoints_are_evaluable_not_resumable_and_a_preemption_s
     assert f"model.path={ck / 'step_000006' / 'hf'} starts a new run" in r.stderr and not (tmp_path / "again").exists()
 
 
+@pytest.mark.e2e
+def test_weights_only_on_two_zero3_ranks_is_the_whole_checkpoints_export(base, tmp_path):
+    """ZeRO-3 on 2 ranks: no rank writes its DeepSpeed shard or RNG, and the gathered export is the whole checkpoint's
+    of the same run, tensor for tensor (the collectives of a weights-only save match on every rank)."""
+    out = tmp_path / "w2"
+    run(out, "trainer.total_steps=2", "trainer.save_only_model=true", nproc=2)
+    ck = out / "checkpoints" / "step_000002"
+    assert sorted(p.name for p in ck.iterdir()) == ["config.yaml", "hf", "manifest.json", "trainer.json"]
+    mine, ref = _safetensors(ck), _safetensors(base(2) / "checkpoints" / "step_000002")
+    assert mine.keys() == ref.keys() and all(mine[k].equal(ref[k]) for k in ref)
+
+
 @contextlib.contextmanager
 def _tmpfs(folder: Path, size: str):
     """A tmpfs of `size` at `folder` (where the machine lets us mount one: as root, like our CI), else None. Our CI
