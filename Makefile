@@ -63,9 +63,9 @@ demo: install
 # GAPO's premise on a laptop (docs/laptop-experiment.md): experiments/demo_mechanism.yaml as pre-registered in
 # experiments/demo_mechanism_plan.md, GAPO against symmetric (the control) and asymmetric GSPO x 16 seeds on generated
 # sums, through the chain a cluster user runs: the runs, their evaluation, the table and figures, and the seeds report
-# with the plan's endpoints (E1-E3, Holm over the primary family). 48 CPU runs of about 9 minutes on 2 cores; not part
-# of any test tier. A second `make demo-compare` skips what is done and resumes what was interrupted. Weights-only
-# checkpoints (trainer.save_only_model: the evaluation reads hf/): 26 GB of disk for the 48 runs instead of 103.
+# with the plan's endpoints (E1-E3, Holm over the primary family). 48 CPU runs of about 8 minutes on 2 cores (7 hours);
+# not part of any test tier. A second `make demo-compare` skips what is done and resumes what was interrupted.
+# Weights-only checkpoints (trainer.save_only_model: the evaluation reads hf/): 26 GB of disk for the 48 runs, not 103.
 DEMO_RUNS = runs/demo_mechanism
 demo-compare: install
 	$(BIN)/gapo-sweep demo_mechanism --run trainer.save_only_model=true
