@@ -113,6 +113,35 @@ def test_shared_prompts_give_the_same_logprobs_entropy_and_gradients(model):
         torch.testing.assert_close(out[True][2][name], grad, rtol=1e-6, atol=1e-6 * float(grad.abs().max()))
 
 
+def test_shared_prompts_gradient_repeats_to_the_bit():
+    """On CPU in fp32 the same micro-batch gives the same gradient every time. Sixteen rollouts of one prompt (a
+    group, as the demo packs it) make the prompt's KV cache gradient a sum over repeated rows large enough for
+    torch's parallel kernels (>= 32768 elements per layer here): summed with index_put_'s atomic adds it changed
+    from one backward to the next, and two runs of the demo's SmolLM2 differed from their first update on."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(resolve_model("tiny-qwen2"), dtype=torch.float32)
+    g = torch.Generator().manual_seed(2)
+    prompt = torch.randint(3, 300, (48,), generator=g).tolist()
+    responses = [torch.randint(3, 300, (n,), generator=g).tolist() for n in range(3, 19)]
+    mb = MicroBatch.pack([prompt] * len(responses), responses, pad_id=0, share_prompts=True)
+    assert mb.shared is not None and mb.shared.row.tolist() == [0] * 16
+    base, head = model.get_decoder(), model.get_output_embeddings()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the parallel path needs more than one thread
+    try:
+        grads = []
+        for _ in range(8):
+            model.zero_grad()
+            lp, _ = response_logprobs(base, head, mb, 1.0)
+            (lp * mb.resp_mask).sum().backward()
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    finally:
+        torch.set_num_threads(threads)
+    unequal = {n for later in grads[1:] for n, gr in later.items() if not torch.equal(gr, grads[0][n])}
+    assert not unequal, f"gradients that differ between identical backward passes: {sorted(unequal)}"
+
+
 @pytest.mark.parametrize("share, checkpointing", [(True, False), (False, True), (False, False)])
 def test_old_logprob_pass_and_update_agree_exactly_in_bf16(share, checkpointing):
     """The old-log-prob pass (no grad, with entropy) and the update's forward must give the same numbers to
