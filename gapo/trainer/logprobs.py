@@ -200,17 +200,11 @@ def _decode(base: torch.nn.Module, mb: MicroBatch) -> tuple[Tensor, Tensor]:
     if cache is None:
         raise RuntimeError("the model returned no KV cache for the shared prompts; pack micro-batches with "
                            "share_prompts=False when gradient checkpointing is on (transformers drops the cache)")
-    # [U, ...] -> [B, ...], differentiable: each prompt's gradient sums its rollouts'. With index_select, not
-    # cache.batch_select_indices: that one's indexing sums them in backward with index_put_(accumulate=True), whose
-    # CPU kernel adds repeated rows with parallel atomics, in an order that changes from run to run (two runs of
-    # SmolLM2's demo differed from the first update on; the tiny models' caches are too small to go parallel).
-    from transformers.cache_utils import DynamicLayer  # loaded with the model already
-
-    for layer in cache.layers:
-        if type(layer).batch_select_indices is not DynamicLayer.batch_select_indices:  # a layer with more state
-            layer.batch_select_indices(sp.row)
-        elif layer.keys is not None and layer.keys.numel():
-            layer.keys, layer.values = layer.keys.index_select(0, sp.row), layer.values.index_select(0, sp.row)
+    # [U, ...] -> [B, ...], differentiable: each prompt's gradient sums its rollouts'. reorder_cache (beam search's)
+    # selects with index_select, whose backward sums repeated rows in order; batch_select_indices' indexing sums them
+    # with index_put_(accumulate=True), whose CPU kernel adds with parallel atomics in an order that changes from run
+    # to run (two runs of SmolLM2's demo differed from the first update on; the tiny models' caches stay serial).
+    cache.reorder_cache(sp.row)
     out = base(input_ids=sp.suffix_ids, attention_mask=torch.cat([sp.prefix_mask[sp.row], sp.suffix_mask], 1),
                position_ids=sp.suffix_pos, past_key_values=cache, use_cache=True)
     return out.last_hidden_state, torch.arange(mb.resp_ids.shape[1], device=mb.resp_ids.device).expand_as(mb.resp_ids)
