@@ -5,11 +5,6 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-# Python keeps what it compiles in __pycache__, unless PYTHONDONTWRITEBYTECODE is set (some machines set it, ours
-# among them). uv installs without compiling (all of a 3.4 GB venv takes ~50 s on 2 cores, of which a run imports a
-# fraction), so here each module is compiled at its first import and kept, not again in every process.
-unexport PYTHONDONTWRITEBYTECODE
-
 .PHONY: install lock install-gpu test test-all lint docs demo demo-compare bench-env bench clean
 
 install: $(STAMP)
@@ -20,7 +15,9 @@ install: $(STAMP)
 # a folder that already holds that locked torch file, that folder serves it instead and the PyTorch index is not
 # asked (offline machines). A hash that does not match the lock stops the install, whichever source sent the file.
 # uv does the work (the same wheels several times faster than pip: docs/testing.md); the uv on PATH, or the
-# version below put into .tools/ with pip.
+# version below put into .tools/ with pip. It compiles the bytecode at install, as pip does: left to the first
+# import, every process of the first test run compiles torch and vLLM again where PYTHONDONTWRITEBYTECODE is set
+# (ours), ~100 s more there against ~45 s here.
 PYPI_INDEX  ?= https://pypi.org/simple
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 UV_VERSION  := 0.13.10
@@ -37,7 +34,7 @@ $(STAMP): pyproject.toml $(LOCK)
 	  .tools/bin/pip install -q uv==$(UV_VERSION); }
 	test -x $(BIN)/python || $(UV) venv -q --python $(PY) $(VENV)
 	@echo "torch $(TORCH_PIN) from $(or $(dir $(LOCAL_TORCH)),$(TORCH_INDEX)); the rest from $(PYPI_INDEX)"
-	$(UV) pip sync -q --python $(BIN)/python --require-hashes $(SOURCES) $(LOCK)
+	$(UV) pip sync -q --python $(BIN)/python --require-hashes --compile-bytecode $(SOURCES) $(LOCK)
 	$(UV) pip install -q --python $(BIN)/python --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
@@ -49,14 +46,21 @@ lock:
 	  --generate-hashes --python-version 3.11.7 --python-platform x86_64-manylinux_2_28 \
 	  $(SOURCES) $(if $(UPGRADE),--upgrade) --custom-compile-command "make lock" -o $(LOCK)
 
-# The GPU profile (docs/install.md): vLLM's CUDA build and PyPI's CUDA torch, in .venv. Refused where no NVIDIA GPU
-# is listed, and over a CPU-profile .venv. Written for H100/H200 hosts; not run on our CPU machines.
+# The GPU profile (docs/install.md) onto the node's own Python and CUDA torch: .venv sees the node's packages
+# (--system-site-packages) and keeps its torch, torchvision and torchaudio (their installed versions are constraints:
+# no second torch is downloaded), and vLLM is the release built for that torch (gapo/rollout/vllm_compat.py's table).
+# Refused where no NVIDIA GPU is listed, where the Python or torch is outside gapo's range, and over a CPU-profile
+# .venv. GPU_PY: the node's Python that holds its torch.
+GPU_PY ?= python3
 install-gpu:
 	@nvidia-smi -L 2>/dev/null | grep -q '^GPU' || { echo "make install-gpu: no NVIDIA GPU here (nvidia-smi -L lists none); on a CPU machine use make install" >&2; exit 1; }
 	@if [ -e $(STAMP) ] && [ ! -e $(VENV)/.gpu ]; then echo "make install-gpu: $(VENV) holds the CPU profile; make clean first" >&2; exit 1; fi
-	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[gpu,dev]'
+	@$(GPU_PY) -c 'import sys; sys.exit(not (3, 11) <= sys.version_info[:2] < (3, 13))' || { echo "make install-gpu: $(GPU_PY) is Python $$($(GPU_PY) -V), outside gapo's range 3.11-3.12 (GPU_PY=python3.12 make install-gpu)" >&2; exit 2; }
+	@torch=$$($(GPU_PY) -c 'import torch; print(torch.__version__)') || { echo "make install-gpu: $(GPU_PY) has no torch; gapo installs onto the node's CUDA torch: $$($(GPU_PY) gapo/rollout/vllm_compat.py --table)" >&2; exit 2; }; \
+	  vllm=$$($(GPU_PY) gapo/rollout/vllm_compat.py --for-torch $$torch) || exit 2; \
+	  set -x; test -x $(BIN)/python || $(GPU_PY) -m venv --system-site-packages $(VENV); \
+	  $(GPU_PY) -m pip list --format=freeze | grep -iE '^(torch|torchvision|torchaudio|triton)==' > $(VENV)/node-torch.txt; \
+	  $(BIN)/pip install -q -c $(VENV)/node-torch.txt -e '.[gpu,dev]' "vllm==$$vllm"
 	$(BIN)/python -c "import torch, vllm; print(f'installed torch {torch.__version__} (CUDA {torch.version.cuda}), vllm {vllm.__version__}, {torch.cuda.device_count()} GPU(s) visible')"
 	touch $(VENV)/.gpu $(STAMP)
 

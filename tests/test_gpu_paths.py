@@ -91,6 +91,7 @@ def fake_vllm(monkeypatch):
         return llms[-1]
 
     fake = types.ModuleType("vllm")
+    fake.__version__ = "0.32.0"  # the release this FakeLLM behaves as (tests/test_vllm_contract.py: 0.26's)
     fake.LLM = llm
     fake.SamplingParams = lambda **kw: kw
     monkeypatch.setitem(sys.modules, "vllm", fake)

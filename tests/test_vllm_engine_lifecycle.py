@@ -42,6 +42,7 @@ def build(monkeypatch):
     """build(v2=False) -> (engine, what the stub saw): a VLLMEngine through its real __init__ over StubLLM."""
     seen: dict = {}
     fake = types.ModuleType("vllm")
+    fake.__version__ = "0.32.0"
     monkeypatch.setitem(sys.modules, "vllm", fake)
     monkeypatch.setenv(vllm_engine.RUNNER_ENV[0], "1")  # as a user's shell might have it: the engine must override it
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

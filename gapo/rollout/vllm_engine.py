@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from gapo.distributed import at_leave, leave_early
+from gapo.rollout import vllm_compat
 from gapo.rollout.types import PushReceipt, Rollout, SamplingConfig
 
 # vLLM 0.32 picks the runner in VllmConfig.use_v2_model_runner (config/vllm.py): this variable when set (after two
@@ -95,6 +96,8 @@ class VLLMEngine:
             compile = "aot" if torch.cuda.is_available() else "cache"
         if compile != "eager":  # read by vLLM while the engine is built (its env cache is enabled only after)
             os.environ["VLLM_USE_AOT_COMPILE"] = "1" if compile == "aot" else "0"
+        vllm_compat.check_installed()  # the range, before vLLM's own import can fail inside
+        import vllm
         from vllm import LLM
 
         self.sleep_mode = sleep_mode
@@ -108,9 +111,9 @@ class VLLMEngine:
         self.llm = LLM(model=model_dir, dtype=dtype, seed=seed, distributed_executor_backend="external_launcher",
                        tensor_parallel_size=1, logprobs_mode="processed_logprobs", max_model_len=max_model_len,
                        enable_prefix_caching=True, gpu_memory_utilization=gpu_memory_utilization,
-                       enable_sleep_mode=sleep_mode, enforce_eager=compile == "eager", **kv, **cpu,
-                       # asleep, vLLM would keep its CUDA graphs on the GPU: out with the weights (GPU only; unverified)
-                       **({"sleep_mode_offload_cudagraph": True} if sleep_mode else {}))
+                       enforce_eager=compile == "eager", **kv, **cpu,
+                       # asleep, CUDA graphs go out with the weights where the release can (GPU only; unverified)
+                       **vllm_compat.sleep_kwargs(sleep_mode, vllm.__version__))
         self.tokenizer = self.llm.get_tokenizer()
         self._shutdown = self.llm.llm_engine.engine_core.shutdown
         at_leave(self._shutdown)  # before the process group goes (gapo.distributed)
@@ -121,8 +124,8 @@ class VLLMEngine:
             raise RuntimeError(f"vLLM built its Model Runner V2 although {RUNNER_ENV[0]}={RUNNER_ENV[1]} pins V1 "
                                "(an engine built earlier in this process cached vLLM's environment?); gapo's tests "
                                "verified V1 only")
-        self.version = 0  # the trainer step whose weights the engine holds; vLLM stamps it on every output
-        self.llm.llm_engine.set_weight_version("0")
+        self.version = 0  # the trainer step whose weights the engine holds, on every output (vllm_compat)
+        vllm_compat.stamp(self.llm, 0)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int]) -> list[list[Rollout]]:
         """k = sampling.n samples per prompt; `seeds` gives each prompt its own stream, so ranks that share
@@ -149,18 +152,9 @@ class VLLMEngine:
                 lps = [c.logprobs[i][t].logprob for i, t in enumerate(ids)]
                 group.append(Rollout(prompt_ids=list(prompt), response_ids=ids, logprobs=lps,
                                      truncated=c.finish_reason == "length", text=c.text,
-                                     version=self._sampled_with(c.weight_versions)))
+                                     version=vllm_compat.sampled_version(c, self.version)))
             groups.append(group)
         return groups
-
-    def _sampled_with(self, spans) -> int:
-        """The one weight version vLLM recorded over a response's tokens. Several would mean weights changed while
-        it was sampled, which a synchronous step never does; none (an empty response) is the engine's current."""
-        versions = {int(span.version) for span in spans or ()}
-        if len(versions) > 1:
-            raise RuntimeError(f"a response was sampled across weight versions {sorted(versions)}: the engine's "
-                               "weights changed during generation")
-        return versions.pop() if versions else self.version
 
     def push_weights(self, weights: Iterable[tuple[str, Tensor]], version: int) -> PushReceipt:
         """Stream new weights in, then drop cached prompt KV computed with the old ones (a cached prefix
@@ -173,7 +167,7 @@ class VLLMEngine:
             self._wake("weights")
         [receipt] = self.llm.collective_rpc(_reload, args=(weights,))
         self.version = version
-        self.llm.llm_engine.set_weight_version(str(version))
+        vllm_compat.stamp(self.llm, version)
         if waking:
             if not self._wake("kv_cache"):
                 raise RuntimeError("vLLM still reports sleeping memory after waking weights and kv_cache; "
@@ -207,7 +201,7 @@ class VLLMEngine:
 
     def _wake(self, tag: str) -> bool:
         _release_torch_cache()
-        return self.llm.wake_up(tags=[tag])  # GPU only; unverified here
+        return vllm_compat.wake(self.llm, tag)  # GPU only; unverified here
 
     def sleep(self) -> None:
         """Free the KV cache and the weights while the actor trains. Level 2 keeps no copy of the weights:
