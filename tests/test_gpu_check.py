@@ -33,13 +33,16 @@ def test_the_gpu_check_passes_its_cpu_smoke_run(tmp_path):
                       "offloaded optimizer: peak host memory vs plan": "SKIP",
                       "LoRA gradient: merged forward under DeepSpeed vs plain torch": "PASS",
                       "LoRA gradient: DeepSpeed bf16 vs PEFT fp32": "PASS",
-                      "NaN step skipped": "PASS", "vLLM weight push into zeroed weights": "PASS",
+                      "NaN step skipped": "PASS", "vLLM generation, k = 8": "INFO",
+                      "vLLM weight push into zeroed weights": "PASS",
                       "vLLM weight checksums after the push": "SKIP", "vLLM sleep / wake": "SKIP",
                       "vLLM engine freed": "PASS", "gapo-train end to end": "PASS",
                       "2-GPU start and ZeRO-3 gather into vLLM": "SKIP",
                       "one-GPU recipe: optimizer offload, train, push": "PASS",
                       "one-GPU recipe: sleep -> train -> wake -> push": "SKIP"}, rows
     assert all(x["value"] for x in rows if x["status"] == "SKIP")  # each says why it did not run
+    seconds = json.loads((tmp_path / "seconds.json").read_text())
+    assert list(seconds)[:3] == ["device_row", "model_step", "vllm_cycle"], seconds  # the vLLM rows first
     assert "== gapo GPU check ==" in r.stdout
 
 
@@ -138,10 +141,17 @@ def test_without_vllm_the_vllm_and_gapo_train_rows_skip_and_do_not_run(check, mo
 def test_a_gpu_too_small_for_every_shape_skips_the_model_rows(check, monkeypatch, tmp_path):
     monkeypatch.setattr(check, "device_gib", lambda: 8.0)
     state = {"no_device": "", "cpu_smoke": False, "out": tmp_path}
-    for step in check.STEPS[1:4]:  # model shape, rl step, NaN step
+    for step in [s for s in check.STEPS if s.run in (check.model_step, check.rl_step, check.nan_step)]:
         check.run_step(step, state)
     assert {r[0] for r in check.ROWS} == {"SKIP"} and all("8.0 GiB GPU" in r[2] for r in check.ROWS), check.ROWS
     assert not (tmp_path / "model").exists()
+
+
+def test_steps_past_the_budget_skip_saying_so(check, tmp_path):
+    state = {"no_device": "", "cpu_smoke": True, "out": tmp_path, "budget": 5.0, "t0": 0.0}  # long spent
+    step = next(s for s in check.STEPS if s.run is check.rl_step)
+    check.run_step(step, {**state, "model_dir": str(tmp_path)})
+    assert {r[0] for r in check.ROWS} == {"SKIP"} and all("--budget of 5 s was spent" in r[2] for r in check.ROWS)
 
 
 def test_the_model_is_sized_from_the_device():

@@ -265,3 +265,30 @@ def test_the_table_answers_without_anything_installed(torch_version, out, rc):
                         torch_version], capture_output=True, text=True, timeout=60)
     assert (r.returncode, r.stdout.strip()) == (rc, out), r.stderr
     assert rc == 0 or "torch 2.11 -> vLLM 0.26.0; torch 2.13 -> vLLM 0.32.0" in r.stderr
+
+
+def interpreter(version: str) -> str:
+    pyenv = Path.home().glob(f".pyenv/versions/{version}*/bin/python{version}")
+    for found in [*pyenv, Path(f"/usr/bin/python{version}")]:
+        if found.is_file():
+            return str(found)
+    pytest.skip(f"no Python {version} on this machine")
+
+
+@pytest.mark.parametrize("version, named", [
+    ("3.11", "has no torch; gapo installs onto the node's CUDA torch: torch 2.11 -> vLLM 0.26.0"),
+    ("3.13", "outside gapo's range 3.11-3.12"),
+])
+def test_make_install_gpu_refuses_a_node_outside_the_range(tmp_path, version, named):
+    """On a node whose Python or torch gapo does not run on, install-gpu stops naming the range and makes nothing (a
+    bare interpreter of this machine stands in for the node's: it has no torch)."""
+    python = interpreter(version)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: a stand-in (UUID: GPU-0)'\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    r = subprocess.run(["make", "-s", "install-gpu", f"VENV={tmp_path / 'venv'}", f"GPU_PY={python}"], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and named in r.stderr, r.stdout + r.stderr
+    assert not (tmp_path / "venv").exists()

@@ -1,7 +1,7 @@
 """The first GPU's checks, in one go, printed as one table (bench/gpu/check.sh runs it).
 
-    bench/gpu/wheels.sh              # here: DeepSpeed, math-verify, pydantic, ... as wheels in .whl/ (offline node)
-    bench/gpu/check.sh               # a CUDA host: torch + transformers there; the rest from .whl/
+    python bench/gpu/kit.py pack bench/gpu/node-cuda-image.txt --split 60   # here: the offline kit in .whl/
+    bench/gpu/check.sh --budget 600  # a CUDA host: its torch + transformers; vLLM 0.26 and the rest from the kit
     bench/gpu/check.sh --cpu-smoke   # the same code paths at toy size on the CPU (make test runs it)
 
 Rows, each PASS or FAIL against what it must show, SKIP (with why) where it did not run, INFO for a figure. Each step
@@ -101,11 +101,14 @@ def run_step(step: Step, state: dict) -> None:
     """A step that raises fails the rows it had not written, with the error, and the next step still runs: one broken
     path must not cost the table (a 24 GB GPU used to get a traceback at row 1 and nothing else)."""
     why = step.needs(state)
+    spent = time.monotonic() - state.get("t0", time.monotonic())
+    if not why and state.get("budget") and spent > state["budget"]:
+        why = f"the --budget of {state['budget']:.0f} s was spent ({spent:.0f} s) before this step"
     if why:
         for check, _ in step.rows:
             skip(check, why)
         return
-    start = len(ROWS)
+    start, tic = len(ROWS), time.monotonic()
     try:
         step.run(state)
         error = "not reported by its step (a bug in check.py)"
@@ -117,6 +120,8 @@ def run_step(step: Step, state: dict) -> None:
         if check not in written:
             row(check, error, must, False)
     free_memory()
+    state.setdefault("seconds", {})[step.run.__name__] = round(time.monotonic() - tic, 1)
+    print(f"[{step.run.__name__}: {time.monotonic() - tic:.0f} s]", flush=True)
 
 
 def free_memory() -> None:
@@ -347,6 +352,23 @@ def _model_ref(worker) -> weakref.ref:
     return weakref.ref(worker.model_runner.get_model())
 
 
+def _zero_weights(worker) -> None:
+    """Runs inside the vLLM worker: zeroes every parameter in place (vLLM 0.32 has a reset_weights RPC for this, 0.26
+    none): a push that delivers nothing cannot pass."""
+    with torch.no_grad():
+        for p in worker.model_runner.get_model().parameters():
+            p.zero_()
+
+
+def _weight_checksums(worker) -> dict[str, str]:
+    """Runs inside the vLLM worker: each parameter's sha256 as the engine holds it (0.32's compute_weight_checksums
+    does the same; 0.26 has none)."""
+    import hashlib
+
+    return {name: hashlib.sha256(p.detach().cpu().contiguous().view(torch.uint8).numpy()).hexdigest()
+            for name, p in worker.model_runner.get_model().named_parameters()}
+
+
 def vllm_needs(state: dict) -> str:
     return needs_vllm(state) or ("" if state["cpu_smoke"] else needs_model(state))
 
@@ -390,17 +412,21 @@ def _push_cycle(engine, model_dir: str, dtype: str, gpu: bool) -> None:
     cfg = resolve({"model": {"path": model_dir, "dtype": dtype}, "rollout": {"prompts_per_step": 1, "group_size": 2},
                    "trainer": {"micro_batch_size": 2, "ppo_mini_batch_size": 2}})
     actor = Actor(cfg, model_dir)
-    sampling = SamplingConfig(n=2, temperature=1.0, top_p=1.0, max_new_tokens=16)
+    sampling = SamplingConfig(n=8, temperature=1.0, top_p=1.0, max_new_tokens=16)  # k = 8, as a run samples
     prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
 
     def tokens() -> list:
         return [[r.response_ids for r in g] for g in engine.generate(prompts, sampling, seeds=[1, 2])]
 
     def checksums() -> dict:
-        return engine.llm.llm_engine.engine_core.engine_core.compute_weight_checksums()[0]
+        return engine.llm.collective_rpc(_weight_checksums)[0]
 
-    first, sums = tokens(), checksums()
-    engine.llm.collective_rpc("reset_weights")  # zeroed: a push that delivers nothing cannot pass
+    tic = time.perf_counter()
+    first = tokens()
+    row("vLLM generation, k = 8", f"{sum(len(r) for g in first for r in g)} tokens in "
+        f"{time.perf_counter() - tic:.2f} s ({dtype})", "a figure", None)
+    sums = checksums()
+    engine.llm.collective_rpc(_zero_weights)  # zeroed: a push that delivers nothing cannot pass
     reset = tokens() != first  # ... provided the reset changed what the engine samples
     tic = time.perf_counter()
     try:
@@ -410,7 +436,7 @@ def _push_cycle(engine, model_dir: str, dtype: str, gpu: bool) -> None:
         pushed, error = None, str(err)
     push_s = time.perf_counter() - tic
     params = sum(p.numel() for p in actor.module.parameters())
-    # On the CPU vLLM computes linear layers from repacked copies that reset_weights does not zero: there the reset
+    # On the CPU vLLM computes linear layers from repacked copies that zeroing the parameters does not reach: there it
     # reaches the embeddings and norms only, and tests/test_sync.py's receipt checks (a dropped tensor) the rest.
     row("vLLM weight push into zeroed weights", f"reset changed the tokens {reset}; {push_s:.2f} s for "
         f"{params / 1e9:.2f} B params" + (f", probe diff {pushed.probe_diff:.2g}" if pushed else f": {error}"),
@@ -545,6 +571,16 @@ def one_gpu_run(state: dict) -> None:
 STEPS = (
     Step(device_row, (("CUDA device", "a device torch can use"),), needs=lambda state: ""),
     Step(model_step, (("model shape", "the largest shape planned within the GPU"),)),
+    Step(vllm_cycle, (("vLLM generation, k = 8", "a figure"),
+                      ("vLLM weight push into zeroed weights", "verified, the first tokens as before the reset"),
+                      ("vLLM weight checksums after the push", "equal to those before the reset"),
+                      ("vLLM sleep / wake", "the same tokens after the cycle"),
+                      ("vLLM engine freed", "at-leave entry gone, model collected")), needs=vllm_needs),
+    Step(train_run, (("gapo-train end to end", "exit 0, every push verified, no traceback"),
+                     ("2-GPU start and ZeRO-3 gather into vLLM", "the row above passes")), needs=needs_vllm),
+    Step(one_gpu_run, (("one-GPU recipe: optimizer offload, train, push", "exit 0, every push verified"),
+                       ("one-GPU recipe: sleep -> train -> wake -> push", "passed with sleep mode on")),
+         needs=needs_vllm),
     Step(rl_step, (("rl step throughput", "a figure"), ("peak memory vs plan", "within 15 % above the plan"),
                    ("skipped steps", "0"), ("reward scoring errors", "0"),
                    ("first mini-batch IS deviation", "exactly 0"),
@@ -557,15 +593,6 @@ STEPS = (
     Step(lora_step, (("LoRA gradient: merged forward under DeepSpeed vs plain torch", "within 1 %"),
                      ("LoRA gradient: DeepSpeed bf16 vs PEFT fp32", "within 6 %"))),
     Step(nan_step, (("NaN step skipped", "not applied, weights and lr unchanged"),), needs=needs_model),
-    Step(vllm_cycle, (("vLLM weight push into zeroed weights", "verified, the first tokens as before the reset"),
-                      ("vLLM weight checksums after the push", "equal to those before the reset"),
-                      ("vLLM sleep / wake", "the same tokens after the cycle"),
-                      ("vLLM engine freed", "at-leave entry gone, model collected")), needs=vllm_needs),
-    Step(train_run, (("gapo-train end to end", "exit 0, every push verified, no traceback"),
-                     ("2-GPU start and ZeRO-3 gather into vLLM", "the row above passes")), needs=needs_vllm),
-    Step(one_gpu_run, (("one-GPU recipe: optimizer offload, train, push", "exit 0, every push verified"),
-                       ("one-GPU recipe: sleep -> train -> wake -> push", "passed with sleep mode on")),
-         needs=needs_vllm),
 )
 
 
@@ -573,6 +600,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cpu-smoke", action="store_true")
     ap.add_argument("--out", type=Path, default=Path("/tmp/gapo_gpu_check"))
+    ap.add_argument("--budget", type=float, default=0, metavar="S",
+                    help="seconds: a step that would start later reads SKIP (the vLLM rows come first)")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     ROWS.clear()
@@ -583,7 +612,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
         print(f"threads: {torch.get_num_threads()} ({os.environ[THREADS_WHY]})", flush=True)
     cuda = torch is not None and torch.cuda.is_available()
-    state: dict = {"cpu_smoke": args.cpu_smoke, "out": args.out}
+    state: dict = {"cpu_smoke": args.cpu_smoke, "out": args.out, "budget": args.budget, "t0": time.monotonic()}
     if TORCH_MISSING:
         state["no_device"] = TORCH_MISSING
     elif args.cpu_smoke or cuda:
@@ -601,6 +630,8 @@ def main(argv: list[str] | None = None) -> int:
     for status, check, value, must in ROWS:
         print(f"{status}  {check:<{width}}  {value}   [{must}]")
     keys = ("status", "check", "value", "must")
+    print("seconds: " + ", ".join(f"{name} {t:.0f}" for name, t in state.get("seconds", {}).items()))
+    (args.out / "seconds.json").write_text(json.dumps(state.get("seconds", {})))
     (args.out / "check.json").write_text(json.dumps([dict(zip(keys, r, strict=True)) for r in ROWS]))
     return 1 if any(status == "FAIL" for status, *_ in ROWS) else 0
 

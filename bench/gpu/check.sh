@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# bench/gpu/check.sh [--cpu-smoke]: the first GPU's checks in one go (bench/gpu/check.py says what each row must
-# show). A CUDA host needs torch and transformers; the rest of gapo's Python dependencies (deepspeed, pydantic,
-# math-verify, ...) may come as wheels in .whl/ at the repository root (bench/gpu/wheels.sh makes them), installed
-# here into the node's python3 (/tmp/site). vLLM is optional: without it the vLLM rows say so. On a machine without a GPU every row reads
-# SKIP and it exits 0.
+# bench/gpu/check.sh [--cpu-smoke] [--budget S]: the first GPU's checks in one go (bench/gpu/check.py says what each
+# row must show; the vLLM rows first, each step's seconds printed, steps past --budget read SKIP). A CUDA host needs
+# its torch and transformers; the rest (vLLM for that torch, DeepSpeed, pydantic, math-verify, ...) may come as the
+# offline kit in .whl/ (bench/gpu/kit.py pack, here), joined, verified and installed into the node's python3 at
+# /tmp/site. Without vLLM the vLLM rows say so. On a machine without a GPU every row reads SKIP and it exits 0.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -16,9 +16,11 @@ if [ -x .venv/bin/python ] && { [ "${1:-}" = --cpu-smoke ] || [ -z "$(nvidia-smi
 elif [ -x .venv/bin/python ]; then
   echo "check.sh: .venv's torch sees no CUDA device (a CPU profile?); using $(command -v python3)" >&2
 fi
-# The node's python3 takes gapo's other dependencies from .whl/ (bench/gpu/wheels.sh); a .venv has its own.
-if [ "$PY" = python3 ] && compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+# The node's python3 takes gapo's other dependencies from the kit in .whl/ (bench/gpu/kit.py); a .venv has its own.
+if [ "$PY" = python3 ] && [ -f .whl/manifest.json ]; then
+  tic=$(date +%s)
+  python3 bench/gpu/kit.py install --dir .whl --target /tmp/site
+  echo "[kit install: $(( $(date +%s) - tic )) s]"
   export PYTHONPATH="/tmp/site:$PYTHONPATH"
 fi
 export OMP_WAIT_POLICY=PASSIVE WANDB_MODE=disabled
