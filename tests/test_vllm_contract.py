@@ -238,9 +238,11 @@ def test_memory_plan_keeps_graphs_asleep_only_where_vllm_cannot_offload_them():
     ("0.32.0", "2.13.0+cpu", (3, 11), None),
     ("0.26.0", "2.11.0+cu130", (3, 12), None),
     ("0.25.1", "2.11.0+cu130", (3, 12), "vLLM 0.25.1 is outside gapo's range (0.26 to 0.32): install vllm==0.26.0"),
-    ("0.34.0", "2.14.0", (3, 12), "this torch (2.14.0) has no vLLM in the range: torch 2.11 -> vLLM 0.26.0"),
+    ("0.34.0", "2.14.0", (3, 12), "torch 2.14.0 is outside gapo's range (2.11-2.13): torch 2.11 -> vLLM 0.26.0"),
+    ("0.25.0", "2.12.0", (3, 12), "this torch (2.12.0) has no vLLM in the range: torch 2.11 -> vLLM 0.26.0"),
     ("0.32.0", "2.13.0", (3, 13), "Python 3.13 is outside gapo's range (3.11-3.12"),
     (None, "2.12.0", (3, 12), None),  # no vLLM: the hf engine still runs
+    (None, "2.10.0+cu128", (3, 12), "torch 2.10.0+cu128 is outside gapo's range (2.11-2.13)"),
 ])
 def test_a_release_outside_the_range_is_refused_with_what_to_install(vllm_version, torch_version, python, named):
     why = vllm_compat.refusal(vllm_version, torch_version, python)

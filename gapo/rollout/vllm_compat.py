@@ -3,7 +3,7 @@
 GPU nodes come with a Python and a CUDA torch in them, and a vLLM wheel pins one torch release exactly: vLLM 0.26.0 is
 built for torch 2.11, 0.27-0.32 for torch 2.13 (none for 2.12; 0.33 and 0.34 pin torch 2.14, outside the range), so
 the vLLM a node can take is set by its torch (VLLM_FOR_TORCH). gapo is written against 0.32 and runs on 0.26; of the
-calls it makes, four differ there (read in vLLM 0.26.0's sources, checked against both releases' Python layers by
+calls it makes, these differ there (read in vLLM 0.26.0's sources, checked against both releases' Python layers by
 tests/test_vllm_contract.py):
 
 - weight versions: 0.32 labels every output with the weight version the engine held while sampling it
@@ -29,6 +29,7 @@ import sys
 VLLM_FOR_TORCH = {"2.11": "0.26.0", "2.13": "0.32.0"}
 VLLM_RANGE = ((0, 26), (0, 33))  # lowest supported, first unsupported (major, minor)
 PYTHON_RANGE = ((3, 11), (3, 13))  # the GPU profile; the CPU profile's torch+cpu lock is for 3.11
+TORCH_RANGE = ((2, 11), (2, 14))
 
 
 def release(version: str) -> tuple[int, int]:
@@ -52,6 +53,8 @@ def refusal(vllm_version: str | None, torch_version: str, python: tuple[int, int
     if not PYTHON_RANGE[0] <= tuple(python) < PYTHON_RANGE[1]:
         return (f"Python {python[0]}.{python[1]} is outside gapo's range (3.11-3.12; the CPU profile 3.11): "
                 "use a Python in it")
+    if not TORCH_RANGE[0] <= release(torch_version) < TORCH_RANGE[1]:
+        return f"torch {torch_version} is outside gapo's range (2.11-2.13): {table()}"
     if vllm_version is None:
         return None  # no vLLM: rollout.engine=hf and every vLLM-free path still run
     if not lo <= release(vllm_version) < hi:
