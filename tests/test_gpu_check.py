@@ -42,7 +42,7 @@ def test_the_gpu_check_passes_its_cpu_smoke_run(tmp_path):
                       "one-GPU recipe: sleep -> train -> wake -> push": "SKIP"}, rows
     assert all(x["value"] for x in rows if x["status"] == "SKIP")  # each says why it did not run
     seconds = json.loads((tmp_path / "seconds.json").read_text())
-    assert list(seconds)[:3] == ["device_row", "model_step", "vllm_cycle"], seconds  # the vLLM rows first
+    assert list(seconds)[:4] == ["device_row", "model_step", "train_run", "one_gpu_run"], seconds  # vLLM first
     assert "== gapo GPU check ==" in r.stdout
 
 

@@ -203,11 +203,13 @@ def test_an_intact_sync_verifies_every_push(torchrun, tmp_path):
 def test_a_response_takes_the_one_version_vllm_stamped_on_it():
     from types import SimpleNamespace as Span
 
-    from gapo.rollout.vllm_engine import VLLMEngine
+    from gapo.rollout.vllm_compat import sampled_version
 
-    engine = VLLMEngine.__new__(VLLMEngine)  # _sampled_with reads only the engine's current version
-    engine.version = 7
-    assert engine._sampled_with([Span(version="6", start=0, end=9)]) == 6
-    assert engine._sampled_with(None) == 7 and engine._sampled_with([]) == 7  # nothing stamped: the current one
+    def out(spans):  # a CompletionOutput of a release that labels outputs (0.32)
+        return Span(weight_versions=spans)
+
+    assert sampled_version(out([Span(version="6", start=0, end=9)]), pushed=7) == 6
+    assert sampled_version(out(None), 7) == 7 and sampled_version(out([]), 7) == 7  # nothing stamped: the current one
+    assert sampled_version(Span(), 7) == 7  # a release that keeps no labels (0.26): gapo's last push
     with pytest.raises(RuntimeError, match=r"across weight versions \[5, 6\]"):
-        engine._sampled_with([Span(version="5", start=0, end=3), Span(version="6", start=3, end=9)])
+        sampled_version(out([Span(version="5", start=0, end=3), Span(version="6", start=3, end=9)]), 7)

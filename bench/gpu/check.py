@@ -374,7 +374,14 @@ def vllm_needs(state: dict) -> str:
 
 
 def vllm_cycle(state: dict) -> None:
+    import torch.distributed as dist
+
+    from gapo.distributed import init_distributed
     from gapo.rollout.vllm_engine import VLLMEngine
+
+    if not dist.is_initialized():  # the engine joins the world group (external_launcher): it must exist first (the
+        # trainer rows made it, unless --budget skipped them)
+        init_distributed()
 
     cpu_smoke, gpu = state["cpu_smoke"], torch.cuda.is_available()
     model_dir, dtype = str(state.get("model_dir")), "float32" if cpu_smoke else "bfloat16"
@@ -571,11 +578,6 @@ def one_gpu_run(state: dict) -> None:
 STEPS = (
     Step(device_row, (("CUDA device", "a device torch can use"),), needs=lambda state: ""),
     Step(model_step, (("model shape", "the largest shape planned within the GPU"),)),
-    Step(vllm_cycle, (("vLLM generation, k = 8", "a figure"),
-                      ("vLLM weight push into zeroed weights", "verified, the first tokens as before the reset"),
-                      ("vLLM weight checksums after the push", "equal to those before the reset"),
-                      ("vLLM sleep / wake", "the same tokens after the cycle"),
-                      ("vLLM engine freed", "at-leave entry gone, model collected")), needs=vllm_needs),
     Step(train_run, (("gapo-train end to end", "exit 0, every push verified, no traceback"),
                      ("2-GPU start and ZeRO-3 gather into vLLM", "the row above passes")), needs=needs_vllm),
     Step(one_gpu_run, (("one-GPU recipe: optimizer offload, train, push", "exit 0, every push verified"),
@@ -593,6 +595,11 @@ STEPS = (
     Step(lora_step, (("LoRA gradient: merged forward under DeepSpeed vs plain torch", "within 1 %"),
                      ("LoRA gradient: DeepSpeed bf16 vs PEFT fp32", "within 6 %"))),
     Step(nan_step, (("NaN step skipped", "not applied, weights and lr unchanged"),), needs=needs_model),
+    Step(vllm_cycle, (("vLLM generation, k = 8", "a figure"),
+                      ("vLLM weight push into zeroed weights", "verified, the first tokens as before the reset"),
+                      ("vLLM weight checksums after the push", "equal to those before the reset"),
+                      ("vLLM sleep / wake", "the same tokens after the cycle"),
+                      ("vLLM engine freed", "at-leave entry gone, model collected")), needs=vllm_needs),
 )
 
 

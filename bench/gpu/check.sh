@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # bench/gpu/check.sh [--cpu-smoke] [--budget S]: the first GPU's checks in one go (bench/gpu/check.py says what each
-# row must show; the vLLM rows first, each step's seconds printed, steps past --budget read SKIP). A CUDA host needs
+# row must show; vLLM's gapo-train rows first, each step's seconds printed, steps past --budget read SKIP). A CUDA host needs
 # its torch and transformers; the rest (vLLM for that torch, DeepSpeed, pydantic, math-verify, ...) may come as the
 # offline kit in .whl/ (bench/gpu/kit.py pack, here), joined, verified and installed into the node's python3 at
 # /tmp/site. Without vLLM the vLLM rows say so. On a machine without a GPU every row reads SKIP and it exits 0.

@@ -45,7 +45,8 @@ GAPO_PATH = ["vllm", "vllm.entrypoints.llm", "vllm.engine.arg_utils", "vllm.v1.e
              "vllm.v1.engine.core",
              "vllm.v1.worker.gpu_worker", "vllm.v1.worker.gpu_model_runner", "vllm.model_executor.models.qwen2",
              "vllm.model_executor.models.llama", "vllm.v1.attention.backends.flash_attn", "vllm.v1.sample.sampler",
-             "vllm.lora.request", "vllm.device_allocator.cumem", "gapo.cli", "gapo.trainer.loop", "gapo.trainer.actor",
+             "vllm.lora.request", "vllm.device_allocator.cumem", "gapo.cli", "gapo.trainer.actor", "gapo.trainer.sync",
+             "gapo.trainer.checkpoint", "gapo.trainer.rollouts",
              "gapo.rollout.vllm_engine", "gapo.reward.math", "gapo.reward.code", "gapo.reward.ifeval", "gapo.tracking",
              "gapo.data", "gapo.study.eval", "deepspeed", "deepspeed.runtime.zero"]
 PROBE = """
