@@ -28,10 +28,11 @@ LOCAL_TORCH := $(firstword $(foreach d,$(PIP_FIND_LINKS),$(wildcard $(d)/torch-$
 TORCH_FROM  := $(if $(LOCAL_TORCH),--find-links $(dir $(LOCAL_TORCH)),--default-index $(TORCH_INDEX))
 SOURCES     := --index $(PYPI_INDEX) $(TORCH_FROM) --index-strategy unsafe-best-match
 
-$(STAMP): pyproject.toml $(LOCK)
+$(UV):
+	$(PY) -m venv .tools && .tools/bin/pip install -q uv==$(UV_VERSION)
+
+$(STAMP): pyproject.toml $(LOCK) | $(UV)
 	@if [ -e $(VENV)/.gpu ]; then echo "$(VENV) holds the GPU profile: update it with make install-gpu" >&2; exit 1; fi
-	@test -x $(UV) || { echo "$(UV): uv $(UV_VERSION) into .tools/ (pip)"; $(PY) -m venv .tools && \
-	  .tools/bin/pip install -q uv==$(UV_VERSION); }
 	test -x $(BIN)/python || $(UV) venv -q --python $(PY) $(VENV)
 	@echo "torch $(TORCH_PIN) from $(or $(dir $(LOCAL_TORCH)),$(TORCH_INDEX)); the rest from $(PYPI_INDEX)"
 	$(UV) pip sync -q --python $(BIN)/python --require-hashes --compile-bytecode $(SOURCES) $(LOCK)
@@ -40,8 +41,7 @@ $(STAMP): pyproject.toml $(LOCK)
 
 # Writes requirements/cpu.lock again from pyproject.toml (extras cpu and dev) and requirements/cpu.in, keeping every
 # pin that still fits; UPGRADE=1 takes the newest versions that fit. tests/test_lock.py fails while the two disagree.
-lock:
-	@test -x $(UV) || { $(PY) -m venv .tools && .tools/bin/pip install -q uv==$(UV_VERSION); }
+lock: | $(UV)
 	$(UV) pip compile -q pyproject.toml requirements/cpu.in --extra cpu --extra dev --overrides requirements/cpu-overrides.txt \
 	  --generate-hashes --python-version 3.11.7 --python-platform x86_64-manylinux_2_28 \
 	  $(SOURCES) $(if $(UPGRADE),--upgrade) --custom-compile-command "make lock" -o $(LOCK)
