@@ -133,8 +133,8 @@ def parser() -> argparse.ArgumentParser:
         prog="gapo-eval", description="pass@k of a model on benchmarks (vLLM).",
         epilog="Each of --benchmarks, --n, --temperature, --top-p, --max-new-tokens comes from the flag when given, "
                "else from the --config config's eval.protocol (a paper table's settings), else from the default "
-               "shown. Example: gapo-eval --model runs/qwen_math_gapo --config qwen_math (Table 3). key.path=value "
-               "words set the --config's fields as on gapo-train's command line (eval.protocol.n=64).")
+               "shown. Example: gapo-eval --model runs/qwen_math/gapo/seed0 --config qwen_math (Table 3). "
+               "key.path=value words set the --config's fields as on gapo-train's command line (eval.protocol.n=64).")
     which = ap.add_mutually_exclusive_group(required=True)
     which.add_argument("--run", metavar="RUN_DIR", nargs="+",
                        help="evaluate these runs' checkpoints (--steps), one after another under one engine (runs of "
