@@ -59,7 +59,8 @@ def test_every_manifest_resolves_each_command(name, capsys):
         assert set(m.eval.steps) <= set(cfg.trainer.keep_steps)
         # its own, or the run of the manifest it uses (runs.use: Table 3's runs in Table 8 and Figs. 6, 7)
         owners = {name} | {r.use.split("/")[0] for r in m.runs if r.use}
-        assert any(cfg.trainer.output_dir.startswith(f"runs/{owner}/") for owner in owners), cfg.trainer.output_dir
+        roots = [f"{Path(load_manifest(owner).output_root) / owner}/" for owner in owners]
+        assert any(cfg.trainer.output_dir.startswith(root) for root in roots), cfg.trainer.output_dir
     assert len(set(outs)) == len(outs)
 
 
@@ -825,3 +826,85 @@ def test_a_sweep_whose_checkpoints_exceed_the_free_disk_is_warned_before_its_fir
     assert budget.disk_shortfall(slim, tmp_path / "demo_mechanism").startswith("the 48 run(s) left keep about 25.8 GB")
     whole, weights = (float(re.search(r"disk +([\d.]+) TB", budget.budget(*x))[1]) for x in ((m, js), (m_slim, slim)))
     assert (whole, weights) == (0.10, 0.03)
+
+
+# ------------------------------------------------------------------------------- a run folder is its job's own
+
+
+def _run_folder(j, *overrides: str) -> None:
+    """A run folder as gapo-train leaves it, enough for gapo-sweep and gapo-compare: its config.yaml (the job's,
+    with `overrides`), metrics.jsonl and a checkpoint of the job's last step (what rundir.checkpoints counts)."""
+    from gapo.configfile import dump_config
+
+    cfg = load_config(j.config, [*j.args, *([f"trainer.resume_from={j.resume}"] if j.resume else []), *overrides])
+    ckpt = j.out / "checkpoints" / f"step_{cfg.trainer.total_steps:06d}"
+    ckpt.mkdir(parents=True, exist_ok=True)
+    (ckpt / "trainer.json").write_text("{}")
+    (j.out / "config.yaml").write_text(dump_config(cfg))
+    (j.out / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.5}) + "\n")
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_a_run_folder_trained_with_other_settings_is_refused_by_the_sweep_and_the_table(tmp_path, capsys,
+                                                                                     monkeypatch):
+    """Issue 67: a finished run at the folder of the tiny sweep's gapo seed 0, trained with eps_hi_max 0.02 (the
+    manifest says 0.05). gapo-sweep --run used to skip it as finished and gapo-compare to label it "0.05 adaptive";
+    now --run, --eval and --slurm refuse it (exit 2) naming the key, both values and the ways out, before anything
+    is trained or written, and gapo-compare table will not table it."""
+    from gapo.errors import Exit
+    from gapo.study import sweep
+    from gapo.study.compare import main as compare_main
+
+    m = load_manifest("tiny_cpu")
+    js = jobs(m, tmp_path)
+    _run_folder(js[0], "algorithm.eps_hi_max=0.02")
+    _fake_results(tmp_path, m, {(r.name, s): 0.3 for r in m.runs for s in m.seeds})  # a table could be built
+    assert sweep.finished(js[0])  # what used to let it through
+    before = _tree(tmp_path)
+    monkeypatch.setattr(sweep.subprocess, "call", lambda *a, **k: pytest.fail(f"ran {a}"))
+    said = "algorithm.eps_hi_max 0.02 there, 0.05 in this job"
+    for mode in (["--run"], ["--eval"], ["--eval", "--list"], ["--slurm"], ["--eval", "--slurm"]):
+        assert sweep.main(["tiny_cpu", *mode, "--output-root", str(tmp_path)]) == Exit.CONFIG, mode
+        err = capsys.readouterr().err
+        assert f"gapo-sweep: run gapo seed 0: {js[0].out} holds a run trained with other settings ({said})" in err
+        assert f"give another --output-root, or move {js[0].out} away" in err
+    assert compare_main(["table", "tiny_cpu", "--output-root", str(tmp_path)]) == Exit.CONFIG
+    assert said in capsys.readouterr().err
+    assert _tree(tmp_path) == before  # nothing trained, evaluated or written (no slurm/, no compare/)
+
+
+def test_the_jobs_own_run_folder_is_accepted_whatever_its_paths_tracking_and_resumes(tmp_path):
+    """What a folder may hold otherwise and still be the job's run: its paths (output_dir, the resumed checkpoint),
+    tracking, and what a resume may change (steps, kept checkpoints, the engine's compile); a branch's folder holds
+    its own algorithm, which is not its parent's. A key that defines the run (trainer.lr) is named."""
+    from gapo.study.manifest import check_folders, settings_differ
+
+    m = load_manifest("tiny_cluster")  # two runs and a branch of the second
+    js = jobs(m, tmp_path)
+    assert any(j.parent for j in js)
+    for j in js:
+        _run_folder(j, f"trainer.output_dir={tmp_path / 'moved'}", f"trainer.resume_from={j.out}",
+                    "tracking.mode=online", "tracking.wandb=false", "tracking.project=other",
+                    "trainer.total_steps=120", "trainer.keep_last=5", "rollout.compile=auto")
+    check_folders(js)
+    for j in js:
+        assert settings_differ(load_config(j.out / "config.yaml"), j.resolved()) == {}
+    _run_folder(next(j for j in js if j.parent), "trainer.lr=3e-4")
+    with pytest.raises(ConfigError, match=r"run gapo_from_gspo seed 0: .* \(trainer.lr 0.0003 there, 0.0001 in this "
+                                          r"job\), not this job's"):
+        check_folders(js)
+    # the demo's own run (gapo-train --config tiny_cpu) against the sweep's gapo seed 0: the issue's collision
+    gapo = jobs(load_manifest("tiny_cpu"), tmp_path)[0]
+    assert settings_differ(load_config("tiny_cpu"), gapo.resolved()) == {"algorithm.eps_hi_max": (0.005, 0.05)}
+
+
+def test_no_manifest_writes_where_gapo_train_puts_a_configs_runs():
+    """`gapo-train --config C` (docs/demo.md's tiny_cpu) writes runs/C/<method>/seed<seed> unless told otherwise; a
+    manifest's runs there would share that command's folders (issue 67: the tiny_cpu manifest's did)."""
+    mine = {Path("runs", p.stem) for p in (ROOT / "configs").glob("*.yaml")}
+    for name in MANIFESTS:
+        for j in jobs(load_manifest(name)):
+            assert Path(*j.out.parts[:2]) not in mine, (name, j.run.name, j.out)

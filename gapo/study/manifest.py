@@ -10,14 +10,15 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from gapo import rundir
 from gapo.config import CompileMode, Config, ConfigError, EvalProtocol
-from gapo.configfile import load_config, read_yaml
+from gapo.configfile import load_config, read_yaml, resolve
+from gapo.errors import did_you_mean
 
 S = TypeVar("S", bound=BaseModel)
 EXPERIMENTS_DIR = Path(__file__).resolve().parents[2] / "experiments"
@@ -140,7 +141,9 @@ def load_manifest(path: str | Path) -> Manifest:
     if not p.is_file():
         shipped = EXPERIMENTS_DIR / (p.name if p.suffix else f"{p.name}.yaml")
         if p.parent != Path(".") or not shipped.is_file():
-            raise ConfigError(f"manifest {str(path)!r} not found (nor among the shipped ones in {EXPERIMENTS_DIR})")
+            shipped = sorted(f.stem for f in EXPERIMENTS_DIR.glob("*.yaml"))
+            raise ConfigError(f"manifest {str(path)!r} not found (nor among the shipped ones in {EXPERIMENTS_DIR})"
+                              f"{did_you_mean(p.stem, shipped)}")
         p = shipped
     try:
         raw = read_yaml(p.read_text())
@@ -272,6 +275,52 @@ def check(m: Manifest, js: list[Job]) -> None:
             raise ConfigError(f"runs {seen[cfg.trainer.output_dir].run.name} and {j.run.name} share "
                               f"{cfg.trainer.output_dir}")
         seen[cfg.trainer.output_dir] = j
+
+
+# Keys a run folder's config.yaml may hold otherwise than its job's and still be that job's run: where it is
+# (paths to its folder and the checkpoint it started from), how it is watched (tracking), and what a resume may
+# change from start to start (gapo.trainer.checkpoint.MAY_CHANGE: steps, kept checkpoints, the engine, ...), but not
+# algorithm.*: a resume with another algorithm branches into a folder of its own, so within a folder it never changes.
+NOT_THE_RUN = ("trainer.output_dir", "trainer.resume_from", "tracking.")
+
+
+def settings_differ(saved: Config, ours: Config) -> dict[str, tuple[Any, Any]]:
+    """The keys that define a run on which a run folder's saved config and a job's disagree: key -> (saved, ours)."""
+    from gapo.trainer.checkpoint import MAY_CHANGE  # (imports torch: only once a run folder is there to compare)
+
+    free = (*NOT_THE_RUN, *(k for k in MAY_CHANGE if k != "algorithm."))
+    a, b = _flat(saved.model_dump(mode="json")), _flat(ours.model_dump(mode="json"))
+    return {k: (a.get(k), b.get(k)) for k in sorted(a.keys() | b.keys())
+            if not k.startswith(free) and a.get(k) != b.get(k)}
+
+
+def _flat(tree: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in tree.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def check_folders(js: list[Job]) -> None:
+    """A run already in a job's folder must be that job's: gapo-sweep would skip it as finished (or resume it) and
+    gapo-compare would label it with the manifest's settings, whatever it was trained with (issue 67: `gapo-train
+    --config tiny_cpu` once wrote where the tiny_cpu sweep's gapo seed 0 goes). Called before anything is trained,
+    evaluated or tabled."""
+    for j in js:
+        path = j.out / rundir.CONFIG
+        if not path.is_file():
+            continue
+        way_out = f"give another --output-root, or move {j.out} away (the sweep then trains this run there)"
+        try:
+            saved = resolve(read_yaml(path.read_text()))
+        except (OSError, ValueError, yaml.YAMLError) as err:  # (a ConfigError is a ValueError)
+            raise ConfigError(f"run {j.run.name} seed {j.seed}: {path} does not read as a run's config "
+                              f"({type(err).__name__}: {err}); {way_out}") from None
+        differ = settings_differ(saved, j.resolved())
+        if differ:
+            said = "; ".join(f"{k} {a!r} there, {b!r} in this job" for k, (a, b) in differ.items())
+            raise ConfigError(f"run {j.run.name} seed {j.seed}: {j.out} holds a run trained with other settings "
+                              f"({said}), not this job's; {way_out}")
 
 
 def eval_commands(m: Manifest, js: list[Job], together: bool = False) -> list[list[str]]:

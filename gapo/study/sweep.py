@@ -39,7 +39,18 @@ from gapo.configfile import OVERRIDE, load_config
 from gapo.errors import Exit
 from gapo.study import slurm
 from gapo.study.budget import budget, disk_shortfall
-from gapo.study.manifest import Job, Manifest, Task, check, eval_commands, graph, jobs, load_manifest, local_command
+from gapo.study.manifest import (
+    Job,
+    Manifest,
+    Task,
+    check,
+    check_folders,
+    eval_commands,
+    graph,
+    jobs,
+    load_manifest,
+    local_command,
+)
 
 
 @dataclass(frozen=True)
@@ -76,7 +87,8 @@ def known_blocks(m: Manifest) -> Manifest:
 
 
 def finished(j: Job) -> bool:
-    """The run saved its last step (a complete checkpoint of trainer.total_steps)."""
+    """The run saved its last step (a complete checkpoint of trainer.total_steps); that the run in the folder is
+    the job's own, check_folders has made sure of."""
     found = rundir.checkpoints(j.out)
     return bool(found) and max(found) >= load_config(j.config, j.args).trainer.total_steps
 
@@ -209,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
         for b in BACKENDS.values():
             if b.check:
                 b.check(m, js)
+        if args.run or args.eval or scheduler:  # what it trains, skips as finished or evaluates must be its own
+            check_folders(js)
         if scheduler:
             block = {**(m.model_extra or {}).get(scheduler, {}), **given[scheduler]}
             m = m.model_copy(update={scheduler: block})

@@ -29,7 +29,7 @@ from gapo import rundir
 from gapo.configfile import load_config
 from gapo.errors import ConfigError, out_folder
 from gapo.study.figures import load_run, md_cell, run_style
-from gapo.study.manifest import Job, Manifest, base_results, jobs
+from gapo.study.manifest import Job, Manifest, base_results, check_folders, jobs
 from gapo.study.seed_figures import build_figures
 from gapo.study.seeds import difference_cell
 from gapo.study.stats import Estimate, ProportionEstimate, ci_half_width
@@ -87,6 +87,7 @@ def clip_range(js: list[Job], name: str) -> tuple[str, str]:
 
 def write(m: Manifest, root: str | Path | None, out: Path | None = None) -> Path:
     js = jobs(m, root)
+    check_folders(js)  # each row is labelled with the manifest's settings: its runs must have been trained with them
     found = results(m, js)
     step = max(m.eval.steps)
     benches = benchmarks(found)
