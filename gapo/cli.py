@@ -11,11 +11,11 @@ import subprocess
 import sys
 import textwrap
 
-from gapo import console, rundir
-from gapo.config import ConfigError
+from gapo import console, preflight, proc, rundir
 from gapo.configfile import dump_config, field_descriptions, load_config
 from gapo.distributed import free_port, share_cores
-from gapo.errors import EXPLAINED, Exit
+from gapo.errors import EXPLAINED, ConfigError, Exit
+from gapo.evaluation import check_names
 
 TRAIN_DESCRIPTION = f"""Train a policy with GAPO and its baselines.
 
@@ -25,18 +25,36 @@ abandon) its step, save, and exit {Exit.PREEMPTED}; `--resume auto` then goes on
 signal's lead must exceed trainer.preempt_deadline_s plus a save (docs/cluster.md)."""
 
 
-def _unknown_names(cfg) -> str | None:
-    from gapo.evaluation import check_names
-
-    try:
-        check_names(cfg)
-    except ConfigError as err:
-        return str(err)
-    return None
-
-
 def train_main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    args = _train_parser().parse_intermixed_args(argv)  # overrides may stand before and after --resume
+    # Messages of config resolution (e.g. which file switches a command-line preset replaced) reach the user.
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    proc.die_with_parent()  # a rank, a rehearsal's run or a sweep's run: it ends with whoever started it
+    first = "RANK" not in os.environ  # the command a person typed, not a rank that gapo.launch started
+    try:
+        cfg = load_config(args.config, args.overrides + ([f"trainer.resume_from={args.resume}"] if args.resume else []))
+        trainers = _ranks(args, cfg, first)
+        if first:  # before torch, vLLM and DeepSpeed load (seconds): a mistake is named at once, nothing written
+            if args.print_config or args.plan is not None or args.rehearse:
+                check_names(cfg)  # it only prints, or rehearses in a folder of its own
+            else:
+                preflight.check_start(cfg)
+    except ConfigError as err:
+        print(f"gapo-train: {err}", file=sys.stderr)
+        return Exit.CONFIG
+    if args.print_config:
+        return _print_config(cfg, trainers, args.nproc, args.nproc_given)
+    if args.plan is not None:
+        return _print_plans(cfg, trainers, args.plan)
+    if args.rehearse:
+        return _rehearse(cfg, args.nproc, args.verbose)
+    if args.nproc > 1 and first:
+        return _launch(argv, cfg, args.nproc)
+    return _train_here(cfg, args.verbose)
+
+
+def _train_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gapo-train", description=TRAIN_DESCRIPTION,
                                 epilog=_fields_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="YAML file, or the name of a config shipped in configs/")
@@ -57,100 +75,93 @@ def train_main(argv: list[str] | None = None) -> int:
                         "2 steps on the CPU with a tiny model of the same family, the real settings otherwise kept "
                         "(lengths and batch sizes scaled; see gapo/rehearse.py), and print a report")
     p.add_argument("overrides", nargs="*", metavar="key.path=value", help="e.g. algorithm.name=gspo trainer.lr=2e-6")
-    args = p.parse_intermixed_args(argv)  # overrides may stand before and after --resume
-    # Messages of config resolution (e.g. which file switches a command-line preset replaced) reach the user.
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    overrides = args.overrides + ([f"trainer.resume_from={args.resume}"] if args.resume else [])
-    try:
-        cfg = load_config(args.config, overrides)
-    except ConfigError as err:
-        print(f"gapo-train: {err}", file=sys.stderr)
-        return Exit.CONFIG
-    # The ranks a memory plan is for (split: not the engines'); only the plans use it: a launched rank's own
-    # arguments carry no --nproc. A plan without --nproc is for the ranks the config is written for.
-    planned_for = "as given" if args.nproc else "the config's own command; --nproc N plans another"
+    return p
+
+
+def _ranks(args: argparse.Namespace, cfg, first: bool) -> int:
+    """Sets args.nproc (a plan without --nproc is for the ranks the config's first line names; otherwise 1) and
+    returns the training ranks, checked against the batch before any rank starts (a batch that does not divide)."""
+    args.nproc_given = args.nproc is not None
     if args.nproc is None and (args.print_config or args.plan is not None):
         args.nproc = written_for(args.config)
     if args.nproc is not None and args.nproc < 1:
-        print(f"gapo-train: --nproc {args.nproc}: expected a number of ranks, at least 1", file=sys.stderr)
-        return Exit.CONFIG
+        raise ConfigError(f"--nproc {args.nproc}: expected a number of ranks, at least 1")
     args.nproc = args.nproc or 1
-    # The names' tables load torch, whose OpenMP reads its settings once, when it loads: a process that trains here
-    # checks them after setting those (below); one that only prints, plans, rehearses or launches, now.
-    trains_here = not (args.print_config or args.plan is not None or args.rehearse) and \
-        (args.nproc == 1 or "RANK" in os.environ)
-    if not trains_here and (unknown := _unknown_names(cfg)):
-        print(f"gapo-train: {unknown}", file=sys.stderr)
-        return Exit.CONFIG
     trainers = args.nproc - cfg.rollout.generator_ranks
-    if (args.print_config or args.plan is not None) and trainers < 1:
-        print(f"gapo-train: rollout.generator_ranks={cfg.rollout.generator_ranks} of --nproc {args.nproc} leaves no "
-              "training rank; expected fewer generator ranks than --nproc", file=sys.stderr)
-        return Exit.CONFIG
-    if trainers >= 1 and "RANK" not in os.environ:
-        try:  # how a step splits on the training ranks: a batch that does not divide is named before any rank starts
+    if trainers < 1 and (args.print_config or args.plan is not None):
+        raise ConfigError(f"rollout.generator_ranks={cfg.rollout.generator_ranks} of --nproc {args.nproc} leaves no "
+                          "training rank; expected fewer generator ranks than --nproc")
+    if trainers >= 1 and first:
+        try:
             cfg.shape(trainers)
         except ConfigError as err:
-            print(f"gapo-train: --nproc {args.nproc}: {err}", file=sys.stderr)
-            return Exit.CONFIG
-    if args.print_config:
-        from gapo.memory import plan_text
+            raise ConfigError(f"--nproc {args.nproc}: {err}") from None
+    return trainers
 
-        # The plan may build a built-in model first, and the libraries that loads print to stdout (DeepSpeed's
-        # "Setting accelerator to CPU" on a fresh machine): stdout carries only the config, or it would not parse.
-        with contextlib.redirect_stdout(sys.stderr):
-            text, _ = plan_text(cfg, trainers, None)
-        sys.stdout.write(dump_config(cfg, comments=True))
-        # As YAML comments, so the output stays a config file.
-        sys.stdout.write("".join(f"# {line}\n" for line in text.splitlines()))
-        sys.stdout.write(f"# planned for --nproc {args.nproc} ({planned_for})\n")
-        return Exit.OK
-    if args.plan is not None:
-        from gapo.memory import offload_table, plan_text
 
-        try:
-            sizes = [float(x) for x in args.plan.split(",")]
-            if not all(0 < g < float("inf") for g in sizes):
-                raise ValueError
-        except ValueError:
-            hint = (f"; {args.plan} reads as a setting: put it before --plan, or give --plan its sizes"
-                    if "=" in args.plan else "")
-            print(f"gapo-train: --plan {args.plan}: expected positive GPU sizes in GB separated by commas, e.g. "
-                  f"24,48{hint}", file=sys.stderr)
-            return Exit.CONFIG
-        with contextlib.redirect_stdout(sys.stderr):  # libraries that a built-in model loads print to stdout
-            table = offload_table(cfg, trainers, sizes)
-            own = [plan_text(cfg, trainers, g)[0] for g in sizes]
-        print(table)
-        for g, text in zip(sizes, own, strict=True):
-            print(f"\nThis config on a {g:g} GB GPU:\n{text}")
-        return Exit.OK
-    if args.rehearse:
-        return _rehearse(cfg, args.nproc, args.verbose)
-    if args.nproc > 1 and "RANK" not in os.environ:
-        # Re-run this command under torchrun: one process per rank, each with its own engine.
-        rest = [a for i, a in enumerate(argv) if a != "--nproc" and (i == 0 or argv[i - 1] != "--nproc")
-                and not a.startswith("--nproc=")]
-        cmd = [sys.executable, "-m", "gapo.launch", "--nproc_per_node", str(args.nproc),
-               "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", "gapo.cli", *rest]
-        child = subprocess.Popen(cmd)  # (gapo.launch gives each rank its share of the cores)
-        for sig in (signal.SIGTERM, signal.SIGUSR1):  # a preemption signal is the ranks' (gapo.launch forwards it)
-            signal.signal(sig, lambda signum, frame: child.send_signal(signum))
+def _print_config(cfg, trainers: int, nproc: int, given: bool) -> int:
+    from gapo.memory import plan_text
+
+    # The plan may build a built-in model first, and the libraries that loads print to stdout (DeepSpeed's
+    # "Setting accelerator to CPU" on a fresh machine): stdout carries only the config, or it would not parse.
+    with contextlib.redirect_stdout(sys.stderr):
+        text, _ = plan_text(cfg, trainers, None)
+    sys.stdout.write(dump_config(cfg, comments=True))
+    # As YAML comments, so the output stays a config file.
+    sys.stdout.write("".join(f"# {line}\n" for line in text.splitlines()))
+    planned_for = "as given" if given else "the config's own command; --nproc N plans another"
+    sys.stdout.write(f"# planned for --nproc {nproc} ({planned_for})\n")
+    return Exit.OK
+
+
+def _print_plans(cfg, trainers: int, plan: str) -> int:
+    from gapo.memory import offload_table, plan_text
+
+    try:
+        sizes = [float(x) for x in plan.split(",")]
+        if not all(0 < g < float("inf") for g in sizes):
+            raise ValueError
+    except ValueError:
+        hint = f"; {plan} reads as a setting: put it before --plan, or give --plan its sizes" if "=" in plan else ""
+        print(f"gapo-train: --plan {plan}: expected positive GPU sizes in GB separated by commas, e.g. 24,48{hint}",
+              file=sys.stderr)
+        return Exit.CONFIG
+    with contextlib.redirect_stdout(sys.stderr):  # libraries that a built-in model loads print to stdout
+        table = offload_table(cfg, trainers, sizes)
+        own = [plan_text(cfg, trainers, g)[0] for g in sizes]
+    print(table)
+    for g, text in zip(sizes, own, strict=True):
+        print(f"\nThis config on a {g:g} GB GPU:\n{text}")
+    return Exit.OK
+
+
+def _launch(argv: list[str], cfg, nproc: int) -> int:
+    """This command again under torchrun (gapo.launch): one process per rank, each with its own engine and its share
+    of the cores. A preemption signal is the ranks' (gapo.launch forwards it); Ctrl-C stops them (torchrun's)."""
+    rest = [a for i, a in enumerate(argv) if a != "--nproc" and (i == 0 or argv[i - 1] != "--nproc")
+            and not a.startswith("--nproc=")]
+    cmd = [sys.executable, "-m", "gapo.launch", "--nproc_per_node", str(nproc),
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", "gapo.cli", *rest]
+    child = subprocess.Popen(cmd)
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, lambda signum, frame: child.send_signal(signum))
+    try:
         code = child.wait()
-        if code not in (Exit.OK, *EXPLAINED):  # no message given: a rank died; say where the run can go on from
-            found = rundir.checkpoints(cfg.trainer.output_dir)
-            where = f"the last checkpoint is {found[max(found)]}" if found else "it saved no checkpoint yet"
-            print(f"gapo-train: the run stopped (exit {code}); {where}: `--resume auto` goes on from the newest "
-                  "that verifies", file=sys.stderr)
+    except KeyboardInterrupt:  # the terminal sent SIGINT to gapo.launch too: it stops the ranks
+        child.wait()
+        return _stopped(cfg, "interrupted (Ctrl-C)", Exit.INTERRUPTED)
+    if code in (Exit.OK, *EXPLAINED, Exit.PREEMPTED):
         return code
+    return _stopped(cfg, f"stopped (exit {code})", Exit.FAILED)  # a rank died without a message
+
+
+def _train_here(cfg, verbose: bool) -> int:
+    """Train in this process: a single rank, or one of gapo.launch's ranks."""
     # OpenMP threads spin-wait by default, which slows vLLM's CPU generation ~6x when two runtimes share cores.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     share_cores(1)  # a single rank: every core (under gapo.launch each rank's share is set already)
-    if unknown := _unknown_names(cfg):
-        print(f"gapo-train: {unknown}", file=sys.stderr)
-        return Exit.CONFIG
     rank0 = os.environ.get("RANK", "0") == "0"
-    if not args.verbose:
+    if not verbose:
         console.capture(show_warnings=rank0)  # before the libraries load: what they print goes to train.log
     from gapo.reward.registry import RewardsFailed
     from gapo.reward.types import RewarderUnavailable
@@ -180,9 +191,19 @@ def train_main(argv: list[str] | None = None) -> int:
         if rank0:
             console.say(f"gapo-train: {err}")
         return Exit.PREEMPTED
+    except KeyboardInterrupt:  # Ctrl-C: one line (the launcher's, under torchrun), not the step's traceback
+        return Exit.INTERRUPTED if "RANK" in os.environ else _stopped(cfg, "interrupted (Ctrl-C)", Exit.INTERRUPTED)
     if rank0:
         console.say(console.outputs(run_dir))
     return Exit.OK  # (a generator rank of a split job returns no run_dir: its trainers report the run)
+
+
+def _stopped(cfg, how: str, code: int) -> int:
+    """Where a run that stopped without a message of its own can go on from."""
+    found = rundir.checkpoints(cfg.trainer.output_dir)
+    where = f"the last checkpoint is {found[max(found)]}" if found else "it saved no checkpoint yet"
+    console.error(f"gapo-train: the run {how}; {where}: `--resume auto` goes on from the newest that verifies")
+    return code
 
 
 # What a user sets first, listed before the long tail in --help.

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ValidationError
 
 from gapo.clip import RULES, UPPER_FIELDS, fmt_eps
 from gapo.config import CONFIGS_DIR, Config
-from gapo.errors import ConfigError
+from gapo.errors import ConfigError, did_you_mean
 from gapo.presets import PRESET_SWITCHES, PRESETS, preset_switches
 from gapo.rundir import run_of
 
@@ -91,7 +91,8 @@ def _format_errors(err: ValidationError) -> str:
     for e in err.errors():
         path = ".".join(str(p) for p in e["loc"])
         if e["type"] == "extra_forbidden":
-            lines.append(f"{path}: unknown key (check the spelling; see `gapo-train --print-config`)")
+            hint = did_you_mean(path, dict(field_descriptions())) or "; check the spelling"
+            lines.append(f"{path}: unknown key{hint} (see `gapo-train --print-config`)")
         else:
             msg = e["msg"].removeprefix("Value error, ")
             got = f" (got {e['input']!r})" if e["type"] != "value_error" and not isinstance(e["input"], dict) else ""
@@ -107,7 +108,9 @@ def find_config_file(name: str | Path) -> Path:
     for cand in (CONFIGS_DIR / p.name, CONFIGS_DIR / f"{p.name}.yaml"):
         if p.parent == Path(".") and cand.is_file():
             return cand
-    raise ConfigError(f"config file {str(name)!r} not found (nor among the shipped configs in {CONFIGS_DIR})")
+    shipped = sorted(f.stem for f in CONFIGS_DIR.glob("*.yaml"))
+    raise ConfigError(f"config file {str(name)!r} not found (nor among the shipped configs in {CONFIGS_DIR})"
+                      f"{did_you_mean(p.stem, shipped)}")
 
 
 def resolve(raw: dict | None = None, overrides: list[str] | tuple[str, ...] = (),

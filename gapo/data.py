@@ -40,6 +40,7 @@ class Dropped:
     detail: str
 
 
+LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet")  # a data source with one of these is a file, else a hub dataset
 _DEFAULT = DataConfig()  # the default training set: its size and seed are the config's
 
 
@@ -55,7 +56,7 @@ def load_problems(source: str, *, prompt_key: str = "problem", answer_key: str =
     reads them: a non-empty `starter_code` is shown under the question (LiveCodeBench's functional
     problems name their function only there), and `metadata.func_name` joins a list of tests that lacks
     it (the rewarder sees only the tests)."""
-    if subset is not None and (source == "arithmetic" or Path(source).suffix in (".json", ".jsonl", ".parquet")):
+    if subset is not None and (source == "arithmetic" or Path(source).suffix in LOCAL_SUFFIXES):
         raise ConfigError(f"data source {source!r}: subset={subset!r} names a Hugging Face dataset configuration; "
                           "a local file or the arithmetic set has none")
     if source == "arithmetic":
@@ -65,10 +66,10 @@ def load_problems(source: str, *, prompt_key: str = "problem", answer_key: str =
             raise ConfigError(f"data.arithmetic_size={arithmetic_size}, data.arithmetic_levels={arithmetic_levels}: "
                               f"{err}") from None
     path = Path(source).expanduser()
-    if path.suffix in (".json", ".jsonl", ".parquet"):
+    if path.suffix in LOCAL_SUFFIXES:
         if not path.is_file():
             raise ConfigError(f"data file {source!r} not found")
-        records = _read_file(path)
+        records, lines = _read_file(path)
         where = str(path)
     else:
         import datasets
@@ -82,22 +83,27 @@ def load_problems(source: str, *, prompt_key: str = "problem", answer_key: str =
             raise ConfigError(f"dataset {source!r}{f' (subset {subset!r})' if subset else ''}: not a "
                               ".json/.jsonl/.parquet file and not loadable by datasets.load_dataset "
                               f"({type(err).__name__}: {err})") from err
-        where = f"dataset {source!r}" + (f" subset {subset!r}" if subset else "")
+        where, lines = f"dataset {source!r}" + (f" subset {subset!r}" if subset else ""), None
+    records = records[:sample] if sample else records
+    if records and all(isinstance(r, dict) and answer_key not in r for r in records):
+        raise ConfigError(f"{where}: no record has the field {answer_key!r} (fields: {', '.join(sorted(records[0]))}); "
+                          "set data.answer_key")
     problems = []
-    for i, rec in enumerate(records[:sample] if sample else records):
+    for i, rec in enumerate(records):
+        at = f"line {lines[i]}" if lines else f"record {i + 1}"
         if not isinstance(rec, dict):
-            raise ConfigError(f"{where}: item {i} is a {type(rec).__name__}, expected a record (mapping)")
-        for key in (prompt_key, answer_key):
-            if key not in rec:
-                raise ConfigError(f"{where}: item {i} has no field {key!r} (fields: {', '.join(sorted(rec))}); "
-                               "set data.prompt_key / data.answer_key")
+            raise ConfigError(f"{where}: {at} is a {type(rec).__name__}, expected a record (mapping)")
+        if prompt_key not in rec:
+            raise ConfigError(f"{where}: {at} has no field {prompt_key!r} (fields: {', '.join(sorted(rec))}); "
+                              "set data.prompt_key")
         meta = {k: v for k, v in rec.items() if k not in (prompt_key, answer_key)}
         question, starter = str(rec[prompt_key]), rec.get("starter_code")
         if isinstance(starter, str) and starter.strip():
             question += ("\n\nComplete this starter code and give the whole solution in one ```python block:\n"
                          f"```python\n{starter.rstrip()}\n```")
+        # A record without its answer is dropped before step 1 like one whose answer is null (the rewarder's check).
         problems.append(Problem(uid=str(rec.get("unique_id", rec.get("id", i))), question=question,
-                                gold=_with_func_name(rec[answer_key], rec.get("metadata")), meta=meta))
+                                gold=_with_func_name(rec.get(answer_key), rec.get("metadata")), meta=meta))
     if not problems:
         raise ConfigError(f"{where}: no problems")
     return problems
@@ -123,12 +129,15 @@ def _with_func_name(tests: Any, metadata: Any) -> Any:
     return [t if t.get("metadata") else {**t, "metadata": metadata} for t in parsed]
 
 
-def load_training_set(d: DataConfig, sample: int | None = None) -> list[Problem]:
+def load_training_set(d: DataConfig, sample: int | None = None, local_only: bool = False) -> list[Problem]:
     """data.train's problems: one source, or several concatenated in order (ids prefixed with the source's
-    position, so they stay unique), then de-duplicated when data.dedup asks for it."""
+    position, so they stay unique), then de-duplicated when data.dedup asks for it. `local_only`: the files and the
+    arithmetic set, not the hub's datasets (gapo-train reads those before torch loads, to name a bad record early)."""
     sources = [DataSource(source=d.train)] if isinstance(d.train, str) else d.train
     problems: list[Problem] = []
     for i, s in enumerate(sources):
+        if local_only and not (s.source == "arithmetic" or Path(s.source).suffix in LOCAL_SUFFIXES):
+            continue
         got = load_problems(s.source, subset=s.subset, split=s.split or d.split,
                             prompt_key=s.prompt_key or d.prompt_key, answer_key=s.answer_key or d.answer_key,
                             arithmetic_size=d.arithmetic_size, arithmetic_seed=d.arithmetic_seed,
@@ -156,13 +165,15 @@ def deduplicate(problems: list[Problem]) -> list[Problem]:
     return kept
 
 
-def _read_file(path: Path) -> list:
+def _read_file(path: Path) -> tuple[list, list[int] | None]:
+    """The file's records, and for JSONL each one's 1-based line (blank lines skipped), so that a message names the
+    line an editor shows."""
     if path.suffix == ".parquet":
         import pyarrow as pa
         import pyarrow.parquet as pq
 
         try:
-            return pq.read_table(path).to_pylist()
+            return pq.read_table(path).to_pylist(), None
         except pa.ArrowException as err:  # a truncated or foreign file: named, not a traceback into pyarrow
             raise ConfigError(f"{path}: not a readable parquet file ({err})") from None
     try:
@@ -171,21 +182,22 @@ def _read_file(path: Path) -> list:
         raise ConfigError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start}); expected JSON or JSONL "
                           "records") from None
     if path.suffix == ".jsonl":
-        out = []
+        out, lines = [], []
         for n, line in enumerate(text.splitlines(), 1):
             if line.strip():
                 try:
                     out.append(json.loads(line))
                 except json.JSONDecodeError as err:
-                    raise ConfigError(f"{path}:{n}: not valid JSON ({err.msg})") from None
-        return out
+                    raise ConfigError(f"{path}: line {n}: not valid JSON ({err.msg})") from None
+                lines.append(n)
+        return out, lines
     try:
         data = json.loads(text)
     except json.JSONDecodeError as err:
         raise ConfigError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
     if not isinstance(data, list):
         raise ConfigError(f"{path}: expected a JSON list of records, got {type(data).__name__}")
-    return data
+    return data, None
 
 
 def arithmetic_problems(n: int, seed: int = _DEFAULT.arithmetic_seed, exclude: set[str] | None = None,

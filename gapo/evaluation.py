@@ -31,9 +31,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch.distributed as dist
 from tqdm import tqdm
 
 from gapo.config import Config, ConfigError, DataConfig, RewardConfig
@@ -41,8 +41,10 @@ from gapo.data import Dropped, Problem, arithmetic_problems, build_prompt_ids, l
 from gapo.distributed import gather
 from gapo.metrics import coverage, pass_at_k
 from gapo.reward.registry import REWARDERS, check_problems, dropped_summary, rewarder, score_groups
-from gapo.rollout.engine import Engine
 from gapo.rollout.types import SamplingConfig
+
+if TYPE_CHECKING:  # torch loads with the engine, not with the names' check (gapo-train's answers before the imports)
+    from gapo.rollout.engine import Engine
 
 log = logging.getLogger("gapo.evaluation")
 
@@ -205,6 +207,8 @@ def check_benchmarks(specs: list[str]) -> None:
         if not path and name != "arithmetic" and name not in BENCHMARKS:
             raise ConfigError(f"unknown benchmark {name!r}: use one of {', '.join([*BENCHMARKS, 'arithmetic'])} "
                               "or name=path/to/file.jsonl")
+        if path and not Path(path).expanduser().is_file():
+            raise ConfigError(f"eval.benchmarks: {spec!r}: no file {path}; expected name=path/to/file.jsonl")
         if at:
             parse_window(window, spec)
 
@@ -330,6 +334,8 @@ def evaluate(engine: Engine, tokenizer, benches: list[Bench], *, n: int, tempera
              top_p: float, max_new_tokens: int, instruction: str | None, reward: RewardConfig, seed: int = 0,
              progress: bool = True) -> list[BenchResult]:
     """Every rank scores its share of each benchmark (problem i goes to rank i % world); results are gathered."""
+    import torch.distributed as dist
+
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     sampling = SamplingConfig(n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
                               stop_token_ids=stop_token_ids(tokenizer))

@@ -18,7 +18,7 @@ import sys
 
 from gapo.distributed import share_cores
 from gapo.errors import EXPLAINED, Exit
-from gapo.proc import processes
+from gapo.proc import die_with_parent, processes
 from gapo.trainer.preempt import SIGNALS
 
 
@@ -52,7 +52,7 @@ def exit_code(codes: set[int], received: set[int] = frozenset()) -> int | None:
     and its code is the run's. Ranks killed by a preemption signal this launcher `received` and handed on (it came
     before a rank installed its handler, while it was starting) lost nothing since their last checkpoint: that is
     PREEMPTED too, so that the job requeues instead of failing."""
-    for code in (Exit.PREEMPTED, *sorted(EXPLAINED)):
+    for code in (Exit.PREEMPTED, Exit.INTERRUPTED, *sorted(EXPLAINED)):
         if code in codes and codes <= {code} | STOPPED:
             return code
     if received and codes <= {-s for s in received} | STOPPED | {Exit.PREEMPTED}:
@@ -78,6 +78,7 @@ def main() -> int:
     # SIGTERM stays ours. torchrun writes its --signals-to-handle (default: SIGTERM too) over the environment
     # variable TORCHELASTIC_SIGNALS_TO_HANDLE, so the flag it is.
     sys.argv[1:1] = ["--signals-to-handle", "SIGINT,SIGHUP,SIGQUIT"]
+    die_with_parent()  # and torchrun's ranks with this process (gapo.cli), so a killed launcher leaves nothing
     ranks = local_ranks(sys.argv[1:])
     if ranks is not None:
         share_cores(ranks)  # before torchrun, which would hand every rank one thread

@@ -26,6 +26,7 @@ from functools import partial
 from pathlib import Path
 
 from gapo.config import MATH_INSTRUCTION, Config, ConfigError
+from gapo.errors import did_you_mean
 
 log = logging.getLogger("gapo.models")
 
@@ -50,15 +51,22 @@ def resolve_model(path: str) -> Path:
         if not (target / "config.json").is_file():
             _atomic_build(target, _build_smollm2 if path == "smollm2-135m" else partial(_build_tiny, *TINY[path]))
         return target
+    local = local_model(path)
+    return _from_hub(path) if local is None else local
+
+
+def local_model(path: str) -> Path | None:
+    """model.path's directory, checked without loading anything (gapo-train asks before torch loads), or None for a
+    built-in or a hub name (owner/name, no such folder here)."""
     p = Path(path).expanduser()
-    if not p.exists() and path.count("/") == 1 and not path.startswith((".", "/", "~")):
-        return _from_hub(path)
+    if path in BUILTIN or not p.exists() and path.count("/") == 1 and not path.startswith((".", "/", "~")):
+        return None
     if not p.is_dir():
         raise ConfigError(f"model.path: {path!r} is neither a directory nor a built-in model "
-                                f"({', '.join(BUILTIN)})")
+                          f"({', '.join(BUILTIN)}) nor a Hugging Face name (owner/name){did_you_mean(path, BUILTIN)}")
     if not (p / "config.json").is_file():
         raise ConfigError(f"model.path: {p} has no config.json; expected a Hugging Face model directory "
-                                "(save_pretrained output)")
+                          "(save_pretrained output)")
     return p
 
 

@@ -36,6 +36,7 @@ STATE = "trainer.json"  # inside a checkpoint: what makes a directory one
 MANIFEST = "manifest.json"  # inside a checkpoint: its files' sizes and checksums
 REHEARSAL_CONFIG = "rehearsal_config.yaml"
 REHEARSAL_REPORT = "rehearsal.md"
+AUTO = "auto"  # trainer.resume_from / --resume: the run's newest checkpoint that verifies, or a fresh start
 
 
 def step_name(step: int) -> str:
@@ -77,7 +78,15 @@ def find(path: str | Path) -> Path:
     if p.is_dir() and (p / CHECKPOINTS).is_dir():
         raise ConfigError(f"--resume {path}: no complete checkpoint in {p / CHECKPOINTS} (no '{LATEST}' file)")
     raise ConfigError(f"--resume {path}: not a run directory with checkpoints, nor a checkpoint directory "
-                      f"(one holding {STATE})")
+                      f"(one holding {STATE}); `--resume auto` goes on from trainer.output_dir's newest checkpoint, "
+                      "or starts fresh when it has none")
+
+
+def refuse_taken(run_dir: Path) -> None:
+    """A fresh run (or a new branch) never writes into a folder that already holds a run's log or checkpoints."""
+    if (run_dir / METRICS).exists() or (run_dir / CHECKPOINTS).exists():
+        raise ConfigError(f"trainer.output_dir={run_dir} already holds a run: continue it with --resume {run_dir} (or "
+                          "--resume auto), or choose another output_dir")
 
 
 def per_c(metric: str, c: int) -> str:

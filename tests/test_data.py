@@ -44,7 +44,7 @@ def test_bad_data_names_file_item_and_field(tmp_path):
         load_problems(str(tmp_path / "missing.jsonl"))
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"problem": "x", "answer": 1}\n{"problem": \n')
-    with pytest.raises(ConfigError, match=r"bad.jsonl:2: not valid JSON"):
+    with pytest.raises(ConfigError, match=r"bad.jsonl: line 2: not valid JSON"):
         load_problems(str(bad))
     obj = tmp_path / "obj.json"
     obj.write_text('{"problem": "x"}')

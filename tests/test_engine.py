@@ -206,7 +206,7 @@ def test_missing_field_in_data_file_is_named(tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text('{"problem": "1+1?", "answer": "2"}\n{"question": "2+2?", "answer": "4"}\n')
     r = gapo_train(tmp_path / "bad", f"data.train={data}", "tracking.mode=disabled", timeout=120)
-    assert r.returncode == 2 and "item 1 has no field 'problem'" in r.stderr and "question" in r.stderr
+    assert r.returncode == 2 and "line 2 has no field 'problem'" in r.stderr and "question" in r.stderr
     assert f"(log of this failed start: {tmp_path / 'bad' / 'train.log'})" in r.stderr  # kept, and said so
 
 

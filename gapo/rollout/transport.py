@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import pickle
 from collections.abc import Iterable, Iterator
-from typing import Protocol
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING, Protocol
 
 from gapo.distributed import Placement
 from gapo.errors import ConfigError
+
+if TYPE_CHECKING:  # torch loads in a rank, not where gapo-train checks rollout.transport's name (before the imports)
+    from torch import Tensor
 
 
 class PeerGone(RuntimeError):
@@ -83,11 +83,15 @@ class GlooBridge:
         self.pending: list[tuple[object, int, Tensor]] = []  # (work, dst, the tensor it sends)
 
     def _send_obj(self, obj: object, dst: int, tag: int) -> None:
+        import torch
+
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
         for t, tg in ((torch.tensor([data.numel()], dtype=torch.int64), tag), (data, tag + 1)):
             self.pending.append((self.group.send([t], dst, tg), dst, t))
 
     def _recv_obj(self, src: int | None, tag: int) -> tuple[object, int]:
+        import torch
+
         n = torch.zeros(1, dtype=torch.int64)
         if src is None:
             work = self.group.recv_anysource([n], tag)
@@ -119,6 +123,8 @@ class GlooBridge:
         self._send_obj(None, dst, META)
 
     def recv_weights(self, src: int) -> Iterator[tuple[str, Tensor]]:
+        import torch
+
         while (head := self._recv_obj(src, META)[0]) is not None:
             name, shape, dtype = head
             t = torch.empty(shape, dtype=dtype)

@@ -391,7 +391,6 @@ def check_compatible(saved: Config, cfg: Config, state: TrainerState, world: int
     return changed
 
 
-AUTO = "auto"  # trainer.resume_from / --resume: the run's newest checkpoint that verifies, or a fresh start
 
 
 class Start(NamedTuple):
@@ -410,7 +409,7 @@ def resume_or_branch(cfg: Config, world: int, rank: int) -> Start:
     parent, whose log stays as it was. A fresh run or a branch refuses a directory that already holds a run."""
     run_dir = Path(cfg.trainer.output_dir)
     ckpt, state, parent, branched = None, None, None, False
-    auto = cfg.trainer.resume_from == AUTO
+    auto = cfg.trainer.resume_from == rundir.AUTO
     if auto:
         ckpt = rank0_decides(lambda: newest_valid(run_dir), rank)
         if ckpt is None and rundir.checkpoints(run_dir):
@@ -441,10 +440,8 @@ def resume_or_branch(cfg: Config, world: int, rank: int) -> Start:
         if rank == 0:
             (run_dir / rundir.METRICS).unlink()
             (run_dir / rundir.ROLLOUTS).unlink(missing_ok=True)  # appended to: its old lines would repeat steps
-    elif (state is None or branched) and ((run_dir / rundir.METRICS).exists() or
-                                          (run_dir / rundir.CHECKPOINTS).exists()):
-        raise ConfigError(f"trainer.output_dir={run_dir} already holds a run: continue it with --resume {run_dir}, "
-                          "or choose another output_dir")
+    elif state is None or branched:
+        rundir.refuse_taken(run_dir)
     return Start(run_dir, ckpt, state, parent, branched)
 
 

@@ -117,7 +117,7 @@ def setup(cfg: Config, rank: int, world: int, remote: split.RemoteEngine | None)
     console.attach(run_dir)  # before the engine starts, so that its processes write to this run's train.log
     if rank == 0:
         console.say(console.run_header(cfg, run_dir, world, torch.get_num_threads()))
-        if t.resume_from == checkpoint.AUTO:
+        if t.resume_from == rundir.AUTO:
             found = f"from {start.ckpt} (step {start.state.step})" if start.ckpt else "no checkpoint yet, a fresh start"
             console.say(f"resume     auto: {found}")
 
