@@ -35,6 +35,7 @@ from gapo.evaluation import (
     summary,
     write_results,
 )
+from gapo.proc import die_with_parent
 from gapo.reward.ifeval import METRIC_NAMES
 
 
@@ -182,6 +183,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_parent()  # started by gapo-sweep --eval: it ends with the sweep
     argv = sys.argv[1:] if argv is None else list(argv)
     # key.path=value: settings of the --config (eval.protocol.n=8), taken out before the run folders are read
     args = parser().parse_args([a for a in argv if not OVERRIDE.match(a)])

@@ -37,6 +37,7 @@ from gapo import rundir
 from gapo.config import ConfigError
 from gapo.configfile import OVERRIDE, load_config
 from gapo.errors import Exit
+from gapo.proc import die_with_parent
 from gapo.study import slurm
 from gapo.study.budget import budget, disk_shortfall
 from gapo.study.manifest import (
@@ -161,6 +162,7 @@ def evaluate_all(m: Manifest, js: list[Job], show: bool) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_parent()  # under a scheduler's or a person's kill, the runs it started go too
     modes = " | ".join(["--print", "--run", "--rehearse", "--eval [--list]", "--budget",
                         *(f"--{name} [DIR] [--eval]" for name in BACKENDS)])
     p = argparse.ArgumentParser(prog="gapo-sweep", description=__doc__.split("\n\n")[0],
