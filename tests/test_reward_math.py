@@ -26,7 +26,7 @@ import pytest
 
 from gapo.reward.math import MathVerifier, _ResourceErrorSpy, default_verifier
 from gapo.reward.math_answer import MathGold, extract_answer, normalize_gold
-from gapo.reward.types import RewarderUnavailable, RewardResult, status_counts
+from gapo.reward.types import FLAG_HOST_FAULT, RewarderUnavailable, RewardResult, status_counts
 
 
 @pytest.fixture(scope="module")
@@ -251,14 +251,29 @@ def test_hard_deadline_kills_and_replaces_the_worker() -> None:
         assert _statuses(v.score(["\\boxed{2}", "\\boxed{3}"], "2")) == ["correct", "wrong"]
 
 
-def test_a_worker_that_dies_mid_item_scores_error_not_wrong() -> None:
-    with MathVerifier(num_workers=1, timeout_s=30.0) as v:
+def _kill_mid_item(v: MathVerifier, sig: signal.Signals) -> None:
+    """From outside, as the host would: signal the worker once it has an item in flight."""
+    deadline = time.monotonic() + 30.0
+    while not v._workers[0].jobs and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # into the item's verification (the tower of powers holds it for seconds)
+    os.kill(v._workers[0].proc.pid, sig)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["SIGKILL", "SIGINT"])
+def test_a_worker_killed_mid_item_scores_a_host_fault_not_wrong(sig: signal.Signals) -> None:
+    """The host kills the worker while it verifies an answer (the OOM killer, a kill aimed at the job): a rewarder
+    error naming the signal, flagged host_fault (counted in the step's metrics), and the pool goes on."""
+    with MathVerifier(num_workers=1, timeout_s=60.0) as v:
         v.score(["\\boxed{1}"], "1")
-        pid = v._workers[0].proc.pid
-        threading.Timer(0.5, os.kill, (pid, signal.SIGKILL)).start()
+        v.soft_timeout_s = 60.0  # the item must still be running when the signal comes
+        killer = threading.Thread(target=_kill_mid_item, args=(v, sig))
+        killer.start()
         [result] = v.score(["\\boxed{9^{9^{9^{9}}}}"], "7")
-        assert result.status == "error"
-        assert "died" in result.detail
+        killer.join()
+        assert result.status == "error" and result.reward == 0.0, result
+        assert sig.name in result.detail and "host fault" in result.detail, result
+        assert result.flags == (FLAG_HOST_FAULT,)
         assert _statuses(v.score(["\\boxed{5}"], "5")) == ["correct"]
 
 

@@ -30,7 +30,11 @@ Comparison (done here, in the parent, never inside the sandbox):
 Problems that accept several correct outputs need a special checker, which these formats do not carry:
 such a problem only rewards the stored output. Reward 1.0 only if every case passes; the run stops at the
 first failing case. A case that runs out of
-time (wall clock or CPU) gives status `timeout`; a failure of the sandbox itself gives `error` and is logged.
+time (wall clock or CPU) gives status `timeout`; a failure of the sandbox itself gives `error` and is logged. So does
+a program killed from outside (status "killed" from the sandbox: a signal that neither the program, nor its limits,
+nor the harness sent, such as the OOM killer's SIGKILL well under the CPU limit): that is the host's fault, no
+verdict on the program, so it is an `error` naming the signal, with the flag "host_fault" (counted in the step's
+metrics as reward/host_fault_frac), never `wrong`.
 `timeout_s` is the budget of ONE case (one execution of the program).
 """
 
@@ -58,7 +62,7 @@ from gapo.reward.sandbox import (
     StdioCase,
     run_program,
 )
-from gapo.reward.types import FLAG_UNISOLATED, Rewarder, RewardResult
+from gapo.reward.types import FLAG_HOST_FAULT, FLAG_UNISOLATED, Rewarder, RewardResult, signal_name
 
 if TYPE_CHECKING:
     from gapo.config import RewardConfig
@@ -299,6 +303,9 @@ def values_match(got: Any, expected: Any) -> bool:
 
 def _case_verdict(suite: TestSuite, index: int, outcome: CaseOutcome) -> str | None:
     """None if the case passed, else a short reason."""
+    if outcome.status == "killed":
+        return (f"the program was killed by {signal_name(-(outcome.exit_code or 0))} from outside the sandbox "
+                "(not its own limits): a host fault, no verdict")
     if outcome.status != "ok":
         reason = {"timeout": "time limit exceeded", "output_limit": "output limit exceeded"}.get(outcome.status)
         if reason is None:
@@ -386,6 +393,10 @@ class CodeRunner(Rewarder):
         flags = () if run.isolated else (FLAG_UNISOLATED,)
         if failures:
             index, reason = next(iter(failures.items()))
+            if run.outcomes[index].status == "killed":
+                logger.warning("code reward error on test %d: %s", index + 1, reason)
+                return RewardResult.of("error", f"test {index + 1}/{len(suite.cases)}: {reason}",
+                                       (*flags, FLAG_HOST_FAULT))
             status = "timeout" if run.outcomes[index].status == "timeout" else "wrong"
             if status == "timeout":
                 logger.info("code reward timeout on test %d of program %r", index, program[:_SHOWN_CHARS])

@@ -14,7 +14,10 @@ work, in the parent); this module verifies them.
 
 Statuses: correct / wrong / no_answer / timeout / error. A gold answer that math-verify cannot parse at
 all is an `error` (the data is at fault, not the model) and is logged on the "gapo.reward" logger, as are
-timeouts, worker deaths and resource errors (MemoryError, RecursionError) raised inside math-verify. A gold
+timeouts, worker deaths and resource errors (MemoryError, RecursionError) raised inside math-verify. A worker that
+dies mid-answer gives that answer an `error` naming how it ended; killed by a signal the pool did not send (the
+pool kills a worker only after its item has a verdict or timed out), that is the host's doing (the OOM killer, a
+kill aimed at the job), and the result carries the flag "host_fault". A gold
 answer it can only keep as text (e.g. Minerva's "E_1, E_2": E reads as Euler's number) is matched as an
 exact string, and such results carry the flag "gold_text_only" so the weakness stays visible.
 """
@@ -38,7 +41,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gapo.reward.math_answer import MathGold, as_boxed_latex, extract_answer, normalize_gold, with_last_number
-from gapo.reward.types import FLAG_GOLD_TEXT_ONLY, Rewarder, RewarderUnavailable, RewardResult
+from gapo.reward.types import (
+    FLAG_GOLD_TEXT_ONLY,
+    FLAG_HOST_FAULT,
+    Rewarder,
+    RewarderUnavailable,
+    RewardResult,
+    signal_name,
+)
 
 if TYPE_CHECKING:
     from gapo.config import RewardConfig
@@ -55,6 +65,11 @@ _MAX_STARTUP_FAILURES = 3
 _PIPELINE_DEPTH = 2
 _PIPELINE_MAX_BYTES = 16384
 _ANSWER_LOG_CHARS = 200
+# A worker ended by one of these crashed on its own (a fault in a C extension, abort()): the rewarder's failure. Any
+# other signal was sent from outside: the host's.
+_CRASH_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGABRT})
+
+_Verdict = tuple[str, str, tuple[str, ...]]  # status, detail, flags
 
 
 # --------------------------------------------------------------------------------------------------
@@ -189,8 +204,11 @@ class _Worker:
         # rank then finishes its step and saves it, so a worker killed mid-item would turn a `wrong` into an `error`
         # and the saved step would differ from the uninterrupted run's (seen in the cluster tier). Ignored from the
         # first line; the parent ends a worker by EOF or SIGKILL, and PR_SET_PDEATHSIG covers a parent that died.
+        # SIGINT (which no Ctrl-C reaches: own session, below) keeps its default action: Python's handler would
+        # wait for a C-level computation to return before raising, and the worker should end at once, by the signal,
+        # which names the host's fault in the verdict (_died_mid_item).
         code = ("import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-                "signal.signal(signal.SIGUSR1, signal.SIG_IGN); "
+                "signal.signal(signal.SIGUSR1, signal.SIG_IGN); signal.signal(signal.SIGINT, signal.SIG_DFL); "
                 f"from gapo.reward.math import _worker_main; _worker_main({os.getpid()}, {int(memory_mb)})")
         # Own session: a Ctrl-C aimed at the trainer's terminal must not hit the workers mid-item.
         self.proc = subprocess.Popen(
@@ -301,11 +319,12 @@ class MathVerifier(Rewarder):
                 if answer is None:
                     row.append(RewardResult.of("no_answer", "no \\boxed{} and no 'answer is' phrase"))
                     continue
-                status, detail = next(verdicts)
+                status, detail, flags = next(verdicts)
                 shown = f"answer {answer[:_ANSWER_LOG_CHARS]!r}"
                 if status in ("timeout", "error"):
                     logger.warning("math reward %s: %s; gold %r; %s", status, shown, gold.answers, detail)
-                flags = (FLAG_GOLD_TEXT_ONLY,) if detail == _GOLD_TEXT_ONLY else ()
+                if detail == _GOLD_TEXT_ONLY:
+                    flags = (*flags, FLAG_GOLD_TEXT_ONLY)
                 row.append(RewardResult.of(status, f"{shown}; {detail}" if detail else shown, flags))
             out.append(row)
         return out
@@ -319,8 +338,8 @@ class MathVerifier(Rewarder):
             self._workers = []
 
     # ---------------------------------------------------------------------------------------------
-    def _run(self, jobs: list[_Job]) -> list[tuple[str, str]]:
-        results: list[tuple[str, str] | None] = [None] * len(jobs)
+    def _run(self, jobs: list[_Job]) -> list[_Verdict]:
+        results: list[_Verdict | None] = [None] * len(jobs)
         pending = deque(range(len(jobs)))
         with self._lock:
             if self._closed:
@@ -342,7 +361,7 @@ class MathVerifier(Rewarder):
                     if worker.deadline(self.timeout_s) <= now:
                         if worker.jobs:
                             results[worker.jobs.popleft()] = (
-                                "timeout", f"no verdict within the {self.timeout_s:g}s deadline")
+                                "timeout", f"no verdict within the {self.timeout_s:g}s deadline", ())
                             pending.extendleft(reversed(worker.jobs))  # queued behind it: not started
                         self._replace(worker, started=worker.ready)
         return [r for r in results if r is not None]
@@ -364,12 +383,12 @@ class MathVerifier(Rewarder):
         worker.jobs.append(pending.popleft())
         return True
 
-    def _collect(self, worker: _Worker, results: list[tuple[str, str] | None], pending: deque[int]) -> None:
+    def _collect(self, worker: _Worker, results: list[_Verdict | None], pending: deque[int]) -> None:
         lines = worker.read_lines()
         if lines is None:
             code = worker.proc.wait()
             if worker.jobs:
-                results[worker.jobs.popleft()] = ("error", f"verifier worker died (exit code {code})")
+                results[worker.jobs.popleft()] = _died_mid_item(code)
                 pending.extendleft(reversed(worker.jobs))
             self._replace(worker, started=worker.ready)
             return
@@ -380,7 +399,7 @@ class MathVerifier(Rewarder):
                 continue
             message = json.loads(line)
             if worker.jobs and message["id"] == worker.jobs[0]:
-                results[worker.jobs.popleft()] = (message["status"], message["detail"])
+                results[worker.jobs.popleft()] = (message["status"], message["detail"], ())
                 worker.head_since = time.monotonic()
 
     def _replace(self, worker: _Worker, *, started: bool) -> None:
@@ -398,6 +417,17 @@ class MathVerifier(Rewarder):
                     f"(last exit code {worker.proc.returncode}; {sys.executable}); see the workers' stderr above"
                 )
         self._workers[self._workers.index(worker)] = _Worker(self.memory_mb)
+
+
+def _died_mid_item(exit_code: int) -> _Verdict:
+    """The verdict on the answer a worker was verifying when it ended: never one on the answer itself."""
+    if exit_code >= 0:
+        return "error", f"verifier worker died (exit code {exit_code})", ()
+    signum = -exit_code
+    if signum in _CRASH_SIGNALS:
+        return "error", f"verifier worker crashed ({signal_name(signum)})", ()
+    return ("error", f"verifier worker killed by {signal_name(signum)} from outside the rewarder: a host fault, "
+                     "no verdict", (FLAG_HOST_FAULT,))
 
 
 # --------------------------------------------------------------------------------------------------

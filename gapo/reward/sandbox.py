@@ -125,7 +125,8 @@ Case = StdioCase | CallCase | CheckCase
 @dataclass(frozen=True)
 class CaseOutcome:
     """What one case did. status: "ok" (ran to completion; for check cases: passed), "error" (exception,
-    non-zero exit, killed, failed assertion), "timeout", "output_limit"."""
+    non-zero exit, a fault or signal of its own doing, failed assertion), "timeout", "output_limit", "killed" (ended
+    by a signal that neither the program, nor its limits, nor the harness sent: the host's doing, no verdict)."""
 
     status: str
     exit_code: int | None
@@ -273,8 +274,7 @@ def _supervise(job_file, workdir: str | None, isolated: bool, n_cases: int, limi
                         selector.unregister(proc.stderr)
                     continue
                 if not chunk:
-                    error = f"sandbox harness ended without finishing (exit code {proc.wait()}): " + \
-                        stderr_tail.decode("utf-8", "replace")[-1500:]
+                    error = _harness_died(proc.wait(), stderr_tail.decode("utf-8", "replace"))
                     break
                 pending += chunk
                 *lines, pending = pending.split(b"\n")
@@ -298,6 +298,17 @@ def _supervise(job_file, workdir: str | None, isolated: bool, n_cases: int, limi
         with _RUNNING_LOCK:
             _RUNNING.discard(proc)
     return outcomes, error
+
+
+def _harness_died(exit_code: int, stderr: str) -> str:
+    """The run's error, one line (it reaches the console as a warning and the rollout's detail): the exit code and the
+    last line of the harness's stderr, e.g. "KeyboardInterrupt" under a traceback. The whole stderr tail goes to the
+    log at INFO, which a training run writes to train.log only."""
+    lines = stderr.strip().splitlines()
+    if lines:
+        logger.info("sandbox harness stderr (exit code %d):\n%s", exit_code, stderr[-1500:])
+    last = f": {lines[-1].strip()[:200]}" if lines else ""
+    return f"sandbox harness ended without finishing (exit code {exit_code}{last})"
 
 
 def _terminate(proc: subprocess.Popen, isolated: bool) -> None:

@@ -14,7 +14,7 @@ Job protocol between host and harness:
         isolated    true: PID 1 in fresh namespaces (build the private filesystem); false: the fallback
         drop_uid    the uid programs run as (nobody), or null when the host is not root
     stdout (harness -> host): one JSON line per case as it finishes, in case order (a sandbox.CaseOutcome):
-        {"i": the case's index, "status": "ok" | "error" | "timeout" | "output_limit", "exit_code", "stderr",
+        {"i": the case's index, "status": "ok" | "error" | "timeout" | "output_limit" | "killed", "exit_code", "stderr",
          "wall_s", "stdout": only for stdio cases, "value": only for call cases that ran ok (the JSON of the
          return value)}
         and {"done": true} after the last case.
@@ -28,6 +28,7 @@ from __future__ import annotations
 import builtins
 import collections
 import json
+import mmap
 import os
 import resource
 import selectors
@@ -40,6 +41,15 @@ import traceback
 GUARD_NAME = "__gapo_guard__"  # what a check(candidate) test program calls the guarded candidate (see _guard)
 SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"  # PATH of the harness and of every program
 _EXIT_HARNESS_BUG = 121
+
+# Signals a program brings on itself: a fault of its own code (a C stack overflowed by deep recursion, abort(), a bad
+# instruction), the file-size and CPU limits set here, its own timers and pipes. A program ended by any other signal
+# that it did not send itself (see _record_own_signals) and that the harness did not send was killed from outside:
+# by the host (the OOM killer, a `kill` aimed at the job), a fault of the machine, not of the program.
+_OWN_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGABRT, signal.SIGSYS,
+                          signal.SIGTRAP, signal.SIGXFSZ, signal.SIGXCPU, signal.SIGALRM, signal.SIGVTALRM,
+                          signal.SIGPROF, signal.SIGPIPE})
+_SIGNAL_SLOTS = 65  # one byte per signal number, real-time signals included (SIGRTMAX is 64 on Linux)
 
 # Names LeetCode-style programs and tests use without importing them; only for call-based and
 # check(candidate) cases, never for stdin/stdout programs, which are whole scripts. DeepCoder's harness (rllm,
@@ -204,11 +214,12 @@ def _run_case(job: dict, case: dict, workdir: str) -> dict:
     err_r, err_w = os.pipe()
     res_r, res_w = os.pipe()
     nonce = os.urandom(16).hex() if case["kind"] == "check" else ""
+    sent = mmap.mmap(-1, _SIGNAL_SLOTS)  # shared with the child: the signals its processes sent (_record_own_signals)
     start = time.monotonic()
     pid = os.fork()
     if pid == 0:  # the child never returns into the harness loop
         try:
-            _child(job, case, workdir, stdin_fd, out_w, err_w, res_w, nonce)
+            _child(job, case, workdir, stdin_fd, out_w, err_w, res_w, nonce, sent)
         except BaseException:
             traceback.print_exc()
         finally:
@@ -226,7 +237,9 @@ def _run_case(job: dict, case: dict, workdir: str) -> dict:
     stderr = bytes(buffers[err_r][-4000:]).decode("utf-8", "replace")
     result = bytes(buffers[res_r]).decode("utf-8", "replace")
     out_of_cpu = cpu_used >= limits["cpu_s"] - 0.05
-    status = state or _status_from_exit(case, exit_code, out_of_cpu, result, nonce)
+    self_sent = exit_code is not None and 0 < -exit_code < _SIGNAL_SLOTS and sent[-exit_code] != 0
+    sent.close()
+    status = state or _status_from_exit(case, exit_code, out_of_cpu, self_sent, result, nonce)
     outcome = {"status": status, "exit_code": exit_code, "stderr": stderr, "wall_s": round(wall, 4)}
     if case["kind"] == "stdio":
         outcome["stdout"] = stdout
@@ -235,11 +248,19 @@ def _run_case(job: dict, case: dict, workdir: str) -> dict:
     return outcome
 
 
-def _status_from_exit(case: dict, exit_code: int | None, out_of_cpu: bool, result: str, nonce: str) -> str:
+def _status_from_exit(case: dict, exit_code: int | None, out_of_cpu: bool, self_sent: bool, result: str,
+                      nonce: str) -> str:
+    """The status of a case the harness did not stop itself (no deadline, no output cap: `state` was None)."""
     if exit_code == -signal.SIGXCPU or (exit_code == -signal.SIGKILL and out_of_cpu):
         return "timeout"  # CPU soft limit (SIGXCPU) or, if the program caught that, the hard limit
+    if case["kind"] == "check" and result == nonce:
+        return "ok"  # the test program had returned: a kill after that changes nothing
+    if exit_code is not None and exit_code < 0 and -exit_code not in _OWN_SIGNALS and not self_sent:
+        # A SIGKILL well under the CPU limit, a SIGTERM, SIGINT, ... that neither the program, nor its limits, nor
+        # the harness sent: the host killed it (the OOM killer, a kill aimed at the job). No verdict on the program.
+        return "killed"
     if case["kind"] == "check":
-        return "ok" if result == nonce else "error"
+        return "error"
     if case["kind"] == "call":
         return "ok" if exit_code == 0 and result else "error"
     return "ok" if exit_code == 0 else "error"
@@ -348,13 +369,16 @@ def _my_children() -> list[int]:
 # Inside the forked child: become unprivileged, then run the program.
 # --------------------------------------------------------------------------------------------------
 def _child(job: dict, case: dict, workdir: str, stdin_fd: int, out_w: int, err_w: int, res_w: int,
-           nonce: str) -> None:
+           nonce: str, sent: mmap.mmap) -> None:
     os.setsid()
     os.dup2(stdin_fd, 0)
     os.dup2(out_w, 1)
     os.dup2(err_w, 2)
     os.dup2(res_w, 3)
     os.closerange(4, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+    # The harness's Python handler would turn a SIGINT from the host into a KeyboardInterrupt, which reads as the
+    # program's own failure; the default action ends it by the signal, which the harness can tell apart ("killed").
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     limits = job["limits"]
     memory = limits["memory_mb"] << 20
     cpu = max(1, int(-(-limits["cpu_s"] // 1)))
@@ -382,6 +406,7 @@ def _child(job: dict, case: dict, workdir: str, stdin_fd: int, out_w: int, err_w
     sys.stderr = sys.__stderr__ = open(2, "w", encoding="utf-8", errors="backslashreplace", buffering=1, closefd=False)
     sys.argv = ["solution.py"]
     write_result, exit_now = os.write, os._exit  # the program may overwrite os.*; keep our own references
+    _record_own_signals(sent)
 
     kind = case["kind"]
     if kind == "stdio":
@@ -424,6 +449,32 @@ def _child(job: dict, case: dict, workdir: str, stdin_fd: int, out_w: int, err_w
     while view:
         view = view[write_result(3, view) :]
     exit_now(0)
+
+
+def _record_own_signals(sent: mmap.mmap) -> None:
+    """Note in `sent` (memory shared with the harness, and with the program's forks) every signal the program sends:
+    a program that kills itself (os.kill(os.getpid(), SIGKILL), signal.raise_signal, a fork killing its parent) is
+    ended by its own doing, not by the host. Through an audit hook, which a program cannot remove, and a wrapper
+    for signal.raise_signal, which raises no audit event. What this misses (libc's kill through ctypes, a `kill`
+    command) reads as a host fault: a rewarder error, reward 0 like a wrong answer, visible in the metrics."""
+
+    def hook(event: str, args: tuple) -> None:
+        if event in ("os.kill", "os.killpg", "signal.pthread_kill"):
+            mark(args[1])
+
+    def mark(signum: object) -> None:
+        if isinstance(signum, int) and 0 < signum < _SIGNAL_SLOTS:
+            sent[signum] = 1
+
+    raise_signal = signal.raise_signal
+
+    def recorded_raise_signal(signum):
+        mark(int(signum))
+        return raise_signal(signum)
+
+    recorded_raise_signal.__doc__ = raise_signal.__doc__
+    signal.raise_signal = recorded_raise_signal
+    sys.addaudithook(hook)
 
 
 def _exit_code(exc: SystemExit) -> int:

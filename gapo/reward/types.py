@@ -8,6 +8,7 @@ scores 0 ruins a run without anyone noticing. So every score carries a status, a
 from __future__ import annotations
 
 import atexit
+import signal
 import threading
 import weakref
 from collections.abc import Iterable, Sequence
@@ -20,6 +21,17 @@ STATUSES = ("correct", "wrong", "no_answer", "timeout", "error")
 FLAG_UNISOLATED = "unisolated"
 # Flag set when math-verify could not parse the gold answer into math and fell back to exact text matching.
 FLAG_GOLD_TEXT_ONLY = "gold_text_only"
+# Flag set on an "error" whose cause is the host, not the rewarder's code nor the response: the sandboxed program or
+# the verifier worker was killed mid-answer by a signal nobody inside sent (the OOM killer, a kill aimed at the job).
+FLAG_HOST_FAULT = "host_fault"
+
+
+def signal_name(signum: int) -> str:
+    """SIGKILL for 9; the number itself for a signal Python has no name for."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 class RewarderUnavailable(RuntimeError):
