@@ -454,27 +454,23 @@ def _child(job: dict, case: dict, workdir: str, stdin_fd: int, out_w: int, err_w
 def _record_own_signals(sent: mmap.mmap) -> None:
     """Note in `sent` (memory shared with the harness, and with the program's forks) every signal the program sends:
     a program that kills itself (os.kill(os.getpid(), SIGKILL), signal.raise_signal, a fork killing its parent) is
-    ended by its own doing, not by the host. Through an audit hook, which a program cannot remove, and a wrapper
-    for signal.raise_signal, which raises no audit event. What this misses (libc's kill through ctypes, a `kill`
-    command) reads as a host fault: a rewarder error, reward 0 like a wrong answer, visible in the metrics."""
+    ended by its own doing, not by the host (a signal it sent to anyone, its own child too, counts as its own). The
+    sending functions are wrapped, not watched by an audit hook, which would also run on every id() call (a linked
+    list walk makes millions). What this misses (posix.kill, libc's kill through ctypes, a `kill` command) reads as
+    a host fault: a rewarder error, reward 0 like a wrong answer, visible in the metrics, so a program gains nothing."""
 
-    def hook(event: str, args: tuple) -> None:
-        if event in ("os.kill", "os.killpg", "signal.pthread_kill"):
-            mark(args[1])
+    def recording(send, signal_arg: int):
+        def send_and_record(*args):
+            signum = args[signal_arg] if len(args) > signal_arg else None
+            if isinstance(signum, int) and 0 < signum < _SIGNAL_SLOTS:
+                sent[signum] = 1
+            return send(*args)
 
-    def mark(signum: object) -> None:
-        if isinstance(signum, int) and 0 < signum < _SIGNAL_SLOTS:
-            sent[signum] = 1
+        send_and_record.__name__, send_and_record.__doc__ = send.__name__, send.__doc__
+        return send_and_record
 
-    raise_signal = signal.raise_signal
-
-    def recorded_raise_signal(signum):
-        mark(int(signum))
-        return raise_signal(signum)
-
-    recorded_raise_signal.__doc__ = raise_signal.__doc__
-    signal.raise_signal = recorded_raise_signal
-    sys.addaudithook(hook)
+    os.kill, os.killpg = recording(os.kill, 1), recording(os.killpg, 1)
+    signal.pthread_kill, signal.raise_signal = recording(signal.pthread_kill, 1), recording(signal.raise_signal, 0)
 
 
 def _exit_code(exc: SystemExit) -> int:
