@@ -46,8 +46,11 @@ def die_with_parent() -> None:
     multiprocessing start processes gapo does not spawn itself; the gapo process above is looked for in case it died
     before the signal was set (a wrapper between the two, `srun` or `timeout`, is the parent the signal watches). A
     process started by a person (no PARENT in its environment) keeps its own
-    life; it only tells its children."""
+    life; it only tells its children. Called by every entry point, and when gapo is imported in a process a gapo
+    process started (gapo/__init__.py): a rank is tied to torchrun before its seconds of imports, not after."""
     parent = os.environ.get(PARENT)
+    if parent == str(os.getpid()):  # done already (on importing gapo; the entry point asks again)
+        return
     if parent and sys.platform == "linux":
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         above = stat_fields(parent)

@@ -73,7 +73,7 @@ def wait_for(tag: str, ready: Callable[[dict[int, str]], bool], root: subprocess
     raise AssertionError(f"the tree never got ready: {tree}")
 
 
-RANK_CMD, MATH_WORKER = "-m gapo.cli", "-P -c import signal"  # a rank under torchrun; a math-verify worker
+RANK, MATH_WORKER = "-u -m gapo.cli", "-P -c import signal"  # a rank under torchrun; a math-verify worker
 
 
 @pytest.mark.e2e
@@ -93,7 +93,7 @@ def test_a_killed_parent_leaves_nothing_of_the_run_a_second_later(tmp_path, vict
         cmd = [str(BIN / "gapo-train"), "--config", "tiny_cpu", "--nproc", "2", f"trainer.output_dir={tmp_path}",
                "tracking.mode=disabled"]
         need = 2 if victim == "torchrun" else 0
-        ready = lambda tree: (sum(RANK_CMD in c for c in tree.values()) == 2  # noqa: E731
+        ready = lambda tree: (sum(RANK in c for c in tree.values()) == 2  # noqa: E731
                               and sum(MATH_WORKER in c for c in tree.values()) >= need)
     root = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
