@@ -39,6 +39,19 @@ REHEARSAL_REPORT = "rehearsal.md"
 AUTO = "auto"  # trainer.resume_from / --resume: the run's newest checkpoint that verifies, or a fresh start
 
 
+# What may differ between a checkpoint's config and the run that resumes it. Anything else (the model,
+# the data, group size, batch shapes, optimizer settings held in the optimizer state) is refused.
+MAY_CHANGE = ("algorithm.", "trainer.resume_from", "trainer.total_steps", "trainer.output_dir", "trainer.save_every",
+              "trainer.keep_last", "trainer.keep_steps", "trainer.keep_every", "trainer.save_only_model",
+              "trainer.eval_every", "trainer.log_rollouts", "trainer.max_skipped_steps", "trainer.preempt_deadline_s",
+              "trainer.collective_timeout_min", "trainer.check_memory", "tracking.", "reward.", "eval.",
+              "rollout.engine", "rollout.compile", "rollout.kv_cache_gb", "rollout.gpu_memory_utilization",
+              "rollout.sleep_between_steps", "rollout.verify_push", "rollout.push_tolerance", "rollout.mismatch_alarm",
+              # (a checkpoint holding rollouts sampled ahead is refused by gapo.trainer.loop.setup unless split
+              # placement on as many training ranks, with the same rollout.max_staleness, resumes it)
+              "rollout.placement", "rollout.generator_ranks", "rollout.max_staleness", "rollout.transport")
+
+
 def step_name(step: int) -> str:
     """step_000600: the directory of step 600, under checkpoints/, val/ and eval/P/."""
     return f"step_{step:06d}"

@@ -279,16 +279,14 @@ def check(m: Manifest, js: list[Job]) -> None:
 
 # Keys a run folder's config.yaml may hold otherwise than its job's and still be that job's run: where it is
 # (paths to its folder and the checkpoint it started from), how it is watched (tracking), and what a resume may
-# change from start to start (gapo.trainer.checkpoint.MAY_CHANGE: steps, kept checkpoints, the engine, ...), but not
+# change from start to start (gapo.rundir.MAY_CHANGE: steps, kept checkpoints, the engine, ...), but not
 # algorithm.*: a resume with another algorithm branches into a folder of its own, so within a folder it never changes.
 NOT_THE_RUN = ("trainer.output_dir", "trainer.resume_from", "tracking.")
 
 
 def settings_differ(saved: Config, ours: Config) -> dict[str, tuple[Any, Any]]:
     """The keys that define a run on which a run folder's saved config and a job's disagree: key -> (saved, ours)."""
-    from gapo.trainer.checkpoint import MAY_CHANGE  # (imports torch: only once a run folder is there to compare)
-
-    free = (*NOT_THE_RUN, *(k for k in MAY_CHANGE if k != "algorithm."))
+    free = (*NOT_THE_RUN, *(k for k in rundir.MAY_CHANGE if k != "algorithm."))
     a, b = _flat(saved.model_dump(mode="json")), _flat(ours.model_dump(mode="json"))
     return {k: (a.get(k), b.get(k)) for k in sorted(a.keys() | b.keys())
             if not k.startswith(free) and a.get(k) != b.get(k)}

@@ -45,17 +45,6 @@ from gapo.trainer.reshard import RESHARD, reshard
 
 log = logging.getLogger("gapo.checkpoint")
 
-# What may differ between a checkpoint's config and the run that resumes it. Anything else (the model,
-# the data, group size, batch shapes, optimizer settings held in the optimizer state) is refused.
-MAY_CHANGE = ("algorithm.", "trainer.resume_from", "trainer.total_steps", "trainer.output_dir", "trainer.save_every",
-              "trainer.keep_last", "trainer.keep_steps", "trainer.keep_every", "trainer.save_only_model",
-              "trainer.eval_every", "trainer.log_rollouts", "trainer.max_skipped_steps", "trainer.preempt_deadline_s",
-              "trainer.collective_timeout_min", "trainer.check_memory", "tracking.", "reward.", "eval.",
-              "rollout.engine", "rollout.compile", "rollout.kv_cache_gb", "rollout.gpu_memory_utilization",
-              "rollout.sleep_between_steps", "rollout.verify_push", "rollout.push_tolerance", "rollout.mismatch_alarm",
-              # (a checkpoint holding rollouts sampled ahead is refused by gapo.trainer.loop.setup unless split
-              # placement on as many training ranks, with the same rollout.max_staleness, resumes it)
-              "rollout.placement", "rollout.generator_ranks", "rollout.max_staleness", "rollout.transport")
 
 
 @dataclass
@@ -379,10 +368,10 @@ def check_compatible(saved: Config, cfg: Config, state: TrainerState, world: int
 
     a, b = flat(saved.model_dump(mode="json")), flat(cfg.model_dump(mode="json"))
     changed = sorted(k for k in a if a[k] != b.get(k))
-    bad = [k for k in changed if not k.startswith(MAY_CHANGE)]
+    bad = [k for k in changed if not k.startswith(rundir.MAY_CHANGE)]
     if bad:
         detail = ", ".join(f"{k}: {a[k]!r} -> {b[k]!r}" for k in bad)
-        may = ", ".join(f"{k}*" if k.endswith(".") else k for k in MAY_CHANGE)
+        may = ", ".join(f"{k}*" if k.endswith(".") else k for k in rundir.MAY_CHANGE)
         raise ConfigError(f"cannot resume with a different {detail}; only these may change: {may}")
     if world != state.world_size:
         log.warning("checkpoint was written by %d ranks, this run has %d: its ZeRO shards are re-cut through "
