@@ -59,6 +59,7 @@ class Plan:
     scaled: list[str]  # "key: real -> rehearsal"
     method: str  # the resolved method, one line
     data_check: str = ""  # the records the rehearsal checked, and how many cannot be scored
+    data_checked: bool = True  # False: the hub was unreachable and a stand-in set was trained on
 
 
 def method_row(cfg: Config) -> str:
@@ -154,6 +155,7 @@ def _data_sample(cfg: Config, run_dir: Path, p: Plan) -> dict:
         if stand_in is None:  # a kind with no stand-in set (ifeval, or one registered by a user): say what failed
             raise
         scaled.append(f"data.train: {shown} -> {stand_in['train']} (loader NOT checked, hub unreachable: {err})")
+        p.data_checked = False
         p.data_check = (f"NOT checked: {shown} could not be reached ({err}); the rehearsal trained on a stand-in "
                         "set, so rehearse again where the data can be read")
         return stand_in
@@ -220,9 +222,11 @@ def report(p: Plan, cfg: Config, run_dir: Path, context_limit: int | None) -> tu
     skipped = sum(int(x["skipped_steps"]) for x in train)
     d, r = cfg.data, cfg.rollout
     ok = len(train) == STEPS and skipped == 0 and (dev == 0.0 or r.use_engine_logprobs)
+    # Data the hub could not serve was never read: the steps may pass, the rehearsal does not say PASSED.
+    verdict = "FAILED" if not ok else "PASSED" if p.data_checked else "STEPS PASSED, DATA NOT CHECKED"
     limit = (f"{d.max_prompt_tokens} prompt + {r.max_new_tokens} new tokens within the model's {context_limit} "
              "positions" if context_limit else "the model's config.json does not state its positions")
-    lines = [f"# Rehearsal: {'PASSED' if ok else 'FAILED'}", "",
+    lines = [f"# Rehearsal: {verdict}", "",
              f"- method: {p.method}",
              f"- context: {limit}",
              f"- data: {p.data_check}",

@@ -77,8 +77,9 @@ def checkpoints(run_dir: str | Path) -> dict[int, Path]:
     return found
 
 
-def find(path: str | Path) -> Path:
-    """A run directory (-> its latest complete checkpoint) or a checkpoint directory."""
+def find(path: str | Path, flag: str = "--resume") -> Path:
+    """A run directory (-> its latest complete checkpoint) or a checkpoint directory. `flag`: what named it, for the
+    message (gapo-train's --resume, gapo-eval's --model)."""
     p = Path(path)
     if is_checkpoint(p):
         return p
@@ -86,13 +87,15 @@ def find(path: str | Path) -> Path:
     if latest.is_file():
         ckpt = p / CHECKPOINTS / latest.read_text().strip()
         if not is_checkpoint(ckpt):
-            raise ConfigError(f"--resume {path}: {latest} names {ckpt.name}, which is missing or incomplete")
+            raise ConfigError(f"{flag} {path}: {latest} names {ckpt.name}, which is missing or incomplete")
         return ckpt
-    if p.is_dir() and (p / CHECKPOINTS).is_dir():
-        raise ConfigError(f"--resume {path}: no complete checkpoint in {p / CHECKPOINTS} (no '{LATEST}' file)")
-    raise ConfigError(f"--resume {path}: not a run directory with checkpoints, nor a checkpoint directory "
-                      f"(one holding {STATE}); `--resume auto` goes on from trainer.output_dir's newest checkpoint, "
-                      "or starts fresh when it has none")
+    auto = (" (`--resume auto` goes on from trainer.output_dir's newest checkpoint, or starts fresh when it has none)"
+            if flag == "--resume" else "")
+    if (p / CHECKPOINTS).is_dir() or (p / METRICS).is_file() or (p / CONFIG).is_file():
+        raise ConfigError(f"{flag} {path}: a run with no complete checkpoint yet (one is saved every "
+                          f"trainer.save_every steps and after the last){auto}")
+    raise ConfigError(f"{flag} {path}: not a run directory with checkpoints, nor a checkpoint directory "
+                      f"(one holding {STATE}){auto}")
 
 
 def refuse_taken(run_dir: Path) -> None:

@@ -185,7 +185,12 @@ def rehearsed(tmp_path_factory) -> Callable[[str], tuple[subprocess.CompletedPro
 @pytest.mark.parametrize("config", sorted(p.stem for p in (ROOT / "configs").glob("*.yaml")))
 def test_every_config_rehearses(config, rehearsed):
     r, log, out = rehearsed(config)
-    assert r.returncode == 0 and "# Rehearsal: PASSED" in r.stdout, log
+    local = load_config(config).data.train == "arithmetic"
+    # Offline (HF_HUB_OFFLINE), a hub dataset is not read: the report must not say PASSED (a cached copy would be)
+    assert r.returncode == 0 and ("# Rehearsal: PASSED" in r.stdout if local else
+                                  "# Rehearsal: PASSED" in r.stdout and "- data: NOT checked" not in r.stdout or
+                                  "# Rehearsal: STEPS PASSED, DATA NOT CHECKED" in r.stdout
+                                  and "- data: NOT checked" in r.stdout), log
     run = Path(f"{out}-rehearsal")
     cfg, used = load_config(config), load_config(run / "rehearsal_config.yaml")
     # What the config sets is what ran: algorithm, precision, checkpointing, old-log-prob pass, stage, epochs.
@@ -209,7 +214,7 @@ def test_intervention_branch_rehearses_from_a_rehearsed_checkpoint(rehearsed):
     assert r.returncode == 0, log
     ckpt = sorted(Path(f"{out}-rehearsal", "checkpoints").glob("step_*"))[-1]  # step 2 (step 1 is kept too)
     r, log = rehearse("gspo_intervention", out, "--resume", str(ckpt), "algorithm.name=gapo")
-    assert r.returncode == 0 and "# Rehearsal: PASSED" in r.stdout, log
+    assert r.returncode == 0 and "# Rehearsal: " in r.stdout and "FAILED" not in r.stdout, log
     branch = Path(f"{out}-rehearsal-resumed")
     cfg = load_config(branch / "config.yaml")
     assert (cfg.algorithm.name, cfg.algorithm.clip, cfg.algorithm.eps_lo, cfg.algorithm.eps_hi_max) == (

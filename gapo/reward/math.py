@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gapo.proc import PARENT
 from gapo.reward.math_answer import MathGold, as_boxed_latex, extract_answer, normalize_gold, with_last_number
 from gapo.reward.types import (
     FLAG_GOLD_TEXT_ONLY,
@@ -97,17 +98,7 @@ class _ResourceErrorSpy(logging.Handler):
             self.seen.append(type(exc).__name__)
 
 
-def _set_parent_death_signal() -> None:
-    """The worker must not outlive a parent that is SIGKILLed (no atexit runs then)."""
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-
-
-def _worker_main(parent_pid: int, memory_mb: int) -> None:
+def _worker_main(memory_mb: int) -> None:
     """Loop: read one JSON job per line on stdin, write one JSON result per line to the protocol pipe."""
     import resource
 
@@ -115,9 +106,6 @@ def _worker_main(parent_pid: int, memory_mb: int) -> None:
     # libraries can never corrupt a result line.
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
-    _set_parent_death_signal()
-    if os.getppid() != parent_pid:  # the parent died before the death signal was armed
-        os._exit(0)
     if memory_mb > 0:
         limit = memory_mb * 1024 * 1024
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
@@ -200,6 +188,7 @@ class _Worker:
         package_root = str(Path(__file__).resolve().parents[2])
         env = dict(os.environ)
         env["PYTHONPATH"] = package_root + os.pathsep + env.get("PYTHONPATH", "")
+        env[PARENT] = str(os.getpid())  # importing gapo ties the worker to this process (gapo.proc.die_with_parent)
         # SLURM signals every process of a job at a preemption (SIGTERM) and ahead of its time limit (SIGUSR1): the
         # rank then finishes its step and saves it, so a worker killed mid-item would turn a `wrong` into an `error`
         # and the saved step would differ from the uninterrupted run's (seen in the cluster tier). Ignored from the
@@ -209,7 +198,7 @@ class _Worker:
         # which names the host's fault in the verdict (_died_mid_item).
         code = ("import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
                 "signal.signal(signal.SIGUSR1, signal.SIG_IGN); signal.signal(signal.SIGINT, signal.SIG_DFL); "
-                f"from gapo.reward.math import _worker_main; _worker_main({os.getpid()}, {int(memory_mb)})")
+                f"from gapo.reward.math import _worker_main; _worker_main({int(memory_mb)})")
         # Own session: a Ctrl-C aimed at the trainer's terminal must not hit the workers mid-item.
         self.proc = subprocess.Popen(
             [sys.executable, "-P", "-c", code],

@@ -239,6 +239,10 @@ def _supervise(job_file, workdir: str | None, isolated: bool, n_cases: int, limi
     # shell ignores both and execs (same pid); unshare, the harness and the program inherit the ignoring. The
     # supervisor ends a run with SIGKILL.
     argv = ["/bin/sh", "-c", 'trap "" TERM USR1; exec "$@"', "sh", *argv]
+    # And it dies with the rank, however the rank dies: setpriv sets the parent-death signal and execs (unshare's
+    # --kill-child and its PID namespace then take the harness and the program along).
+    if shutil.which("setpriv"):
+        argv[4:4] = [shutil.which("setpriv"), "--pdeathsig", "KILL", "--"]
     proc = subprocess.Popen(
         argv,
         stdin=job_file,

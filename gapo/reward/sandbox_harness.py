@@ -371,6 +371,7 @@ def _my_children() -> list[int]:
 def _child(job: dict, case: dict, workdir: str, stdin_fd: int, out_w: int, err_w: int, res_w: int,
            nonce: str, sent: mmap.mmap) -> None:
     os.setsid()
+    _libc().prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: a harness killed from outside takes its program along
     os.dup2(stdin_fd, 0)
     os.dup2(out_w, 1)
     os.dup2(err_w, 2)

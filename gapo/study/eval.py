@@ -70,7 +70,7 @@ def resolve_eval_model(path: str) -> Path:
     if path in BUILTIN or (p / "config.json").is_file():
         return resolve_model(path)
     if p.exists():
-        return rundir.find(p) / "hf"
+        return rundir.find(p, "--model") / "hf"
     if path.count("/") == 1 and not path.startswith((".", "/", "~")):
         return resolve_model(path)  # a hub id: downloaded once, or an error naming the id and the cause
     raise ConfigError(f"--model {path}: no such directory, and not a built-in model ({', '.join(BUILTIN)}) or a "
