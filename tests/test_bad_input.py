@@ -3,6 +3,9 @@ expected, exit 2 (Exit.CONFIG), no traceback, and nothing half-written. In proce
 nothing starts an engine: every case fails before one would."""
 
 import json
+import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -62,6 +65,7 @@ CASES = [
     # gapo-sweep: a manifest that uses itself, a repeated seed, a time SLURM would refuse, a file where a folder goes
     ("sweep", ["{self_use}", "--print"], "runs.a.use: self/a leads back to self (self -> self)"),
     ("sweep", ["{two_zeros}", "--print"], "seeds: [0, 0] repeats [0]; list each seed once"),
+    ("sweep", ["table3-qwen", "--print"], "did you mean table3_qwen?"),
     ("sweep", ["{plain}", "--slurm", "{tmp}/sl", "--time", "abc"], "'abc' is not a SLURM time"),
     ("sweep", ["{plain}", "--slurm", "{tmp}/afile"], "afile: a file is in the way"),
     # gapo-compare and gapo-plot: nothing to tabulate; --out on a file
@@ -108,3 +112,26 @@ def test_every_time_sbatch_takes_is_taken():
 
     for t in ("90", "90:30", "1:00:00", "2-0", "2-12:00", "2-00:00:00", "-1", "Unlimited", "INFINITE"):
         assert SlurmSpec(time=t, eval_time=t).time == t
+
+
+# --------------------------------------------------------------------------------------------------
+# The mistakes a new user makes with gapo-train, answered before the heavy imports (bench/mistakes.py times them)
+# --------------------------------------------------------------------------------------------------
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import mistakes  # noqa: E402  (bench/ is run by path, not a package)
+
+with tempfile.TemporaryDirectory() as _tmp:  # the cases' names, for the ids
+    NAMES = [m.name for m in mistakes.mistakes(Path(_tmp))]
+
+
+@pytest.mark.parametrize("i", range(len(NAMES)), ids=NAMES)
+def test_a_mistake_is_named_before_torch_loads_with_exit_2_and_nothing_written(i, tmp_path):
+    """In a fresh process, as typed: exit 2, the message, no traceback, and none of torch, vLLM, DeepSpeed or
+    transformers loaded by then (what made these answers take 5-12 s; bench/mistakes.py prints the seconds, under 1 s
+    on a Zen 3); the run's folder not made, no file added anywhere under the test's folder."""
+    m = mistakes.mistakes(tmp_path)[i]
+    before = sorted(tmp_path.rglob("*"))
+    got, err, _ = mistakes.answer(m, tmp_path)
+    assert got.get("code") == Exit.CONFIG and m.said in err and "Traceback" not in err, (got, err)
+    assert got["loaded"] == [], f"loaded before the answer: {got['loaded']}"
+    assert sorted(tmp_path.rglob("*")) == before and not (tmp_path / "out").exists()
