@@ -21,13 +21,14 @@ from dataclasses import replace
 import torch
 from _util import median
 
+from gapo.algorithms import StepNorm
 from gapo.configfile import resolve
 from gapo.data import arithmetic_problems, build_prompt_ids
 from gapo.distributed import init_distributed
 from gapo.models import resolve_model
 from gapo.trainer.actor import Actor
 from gapo.trainer.logprobs import MicroBatch
-from gapo.trainer.losses import StepNorm, policy_loss
+from gapo.trainer.losses import policy_loss
 
 ROLLOUTS, MINI, MICRO = 64, 32, 8
 

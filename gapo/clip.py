@@ -1,8 +1,9 @@
 """Clip rules: what `algorithm.clip` names, one object each.
 
 A rule says which upper field of the algorithm section it reads (fixed and CISPO: eps_hi; GAPO's adaptive rule:
-eps_hi_max), the upper width of each rollout from its group's c and k, whether the IS weight itself is clipped and
-detached (CISPO) instead of the PPO surrogate, and how it reads in words. The config, the loss, gapo-plot and
+eps_hi_max), the upper width of each rollout from its group's c and k, and how it reads in words. What the bounds
+clip, the ratio inside eq. 11's min or CISPO's detached weight, is the algorithm's surrogate (gapo/algorithms.py).
+The config, the loss, gapo-plot and
 gapo-compare ask the rule; none of them names a rule, so a new rule is one class here and one `register` call
 (tests/test_clip.py adds one from outside the package and trains the loss with it).
 """
@@ -17,8 +18,8 @@ UPPER_FIELDS = ("eps_hi", "eps_hi_max")  # the algorithm section's upper widths;
 
 def adaptive_eps_hi(c, k, eps_lo: float, eps_hi_max: float):
     """GAPO's eq. 8, eps_hi(c) = eps_lo + (eps_hi_max - eps_lo) * (k - c) / (k - 1), in its one place: plain
-    arithmetic, so the loss applies it to tensors (gapo.trainer.losses.gapo_clip_high, which also guards c and k)
-    and gapo-compare band to the numbers of a logged rollout."""
+    arithmetic, so the loss applies it to tensors (AdaptiveRule.eps_hi, through gapo.trainer.losses.clip_high, which
+    also guards c and k) and gapo-compare band to the numbers of a logged rollout."""
     return eps_lo + (eps_hi_max - eps_lo) * (k - c) / (k - 1)
 
 
@@ -28,7 +29,6 @@ class ClipRule:
 
     name: str = "fixed"
     upper_field: str = "eps_hi"  # the algorithm field holding the rule's (widest) upper width
-    weight_clip: bool = False  # CISPO: the IS weight is clipped and detached; every token keeps its gradient
     constant: bool = True  # the upper width is the same for every c
     tag: str = ""  # after the upper width in a table's clip range: "5e-3 adaptive" (a fixed rule's needs none)
 
@@ -71,11 +71,10 @@ class AdaptiveRule(ClipRule):
 
 @dataclass(frozen=True)
 class CispoRule(ClipRule):
-    """CISPO (MiniMax-M1): the IS weight clipped to [1 - eps_lo, 1 + eps_hi] and detached (eps_lo = 1: no lower
-    clip)."""
+    """CISPO's bounds (MiniMax-M1): the IS weight clipped to [1 - eps_lo, 1 + eps_hi] (its surrogate,
+    gapo.algorithms.cispo, detaches it); eps_lo = 1 allowed, no lower clip."""
 
     name: str = "cispo"
-    weight_clip: bool = True
     tag: str = " cispo"
 
     def check(self, algo: Any) -> None:

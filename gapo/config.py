@@ -18,9 +18,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gapo import arithmetic
+from gapo.algorithms import AGGREGATIONS, DEFAULT_CLIP_WIDTHS, PRESETS, SURROGATES
 from gapo.clip import RULES, UPPER_FIELDS, ClipRule, fmt_eps
 from gapo.errors import ConfigError
-from gapo.presets import DEFAULT_CLIP_WIDTHS, PRESETS
 
 # The configs/ folder of the checkout (the package is installed editable: `make install`).
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -28,7 +28,6 @@ CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 # The algorithm switches' values, also the loss functions' argument types (gapo/trainer/losses.py).
 IsLevel = Literal["token", "sequence"]
-LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_sum_constant"]
 # The engine's choices, also gapo-eval's and a sweep manifest's (choices=typing.get_args(...)).
 Dtype = Literal["float32", "bfloat16"]
 EngineKind = Literal["vllm", "hf"]
@@ -76,8 +75,8 @@ class AlgorithmConfig(_Section):
     """The loss. Switch fields default to None and are filled from the preset named by `name`."""
 
     name: Literal[tuple(PRESETS)] = Field(
-        "gapo", description="The preset: the switches (is_level, clip, eps_*, std_normalize, focal_gamma, "
-                        "loss_agg) left null take its values.")
+        "gapo", description="The algorithm (gapo.algorithms.PRESETS): the switches (is_level, clip, surrogate, eps_*, "
+                        "std_normalize, focal_gamma, loss_agg) left null take its values.")
     is_level: IsLevel | None = Field(None, description="Importance ratio per token, or per sequence (GSPO).")
     clip: str | None = Field(None, description="The clip rule (gapo.clip.RULES): fixed bounds, GAPO's adaptive upper "
                                                "bound (eq. 8), or CISPO's clipped, detached IS weight.")
@@ -90,7 +89,11 @@ class AlgorithmConfig(_Section):
                                   "fixed rule and CISPO.")
     std_normalize: bool | None = Field(None, description="Divide group advantages by the group's reward std.")
     focal_gamma: float | None = Field(None, ge=0.0, description="Focal advantage shaping (1 - c/k)^gamma; 0 = off.")
-    loss_agg: LossAgg | None = Field(None, description="How token losses are averaged over the optimizer step.")
+    surrogate: str | None = Field(
+        None, description="The per-token loss (gapo.algorithms.SURROGATES): ppo, eq. 11's clipped ratio; cispo, the "
+                          "clipped, detached IS weight; a plugin may register another.")
+    loss_agg: str | None = Field(None, description="How token losses are averaged over the optimizer step "
+                                                   "(gapo.algorithms.AGGREGATIONS).")
     loss_constant: float | None = Field(
         None, gt=0.0, description="Dr.GRPO's constant normaliser (tokens per sequence); null = rollout.max_new_tokens.")
     correct_threshold: float = Field(
@@ -109,9 +112,7 @@ class AlgorithmConfig(_Section):
         other upper field stays null, so a value given for it is an error rather than silently unused."""
         if self.clip is None:
             return self  # not resolved yet: presets fill the switches in resolve()
-        if self.clip not in RULES:
-            raise ValueError(f"algorithm.clip={self.clip!r}: no such clip rule; gapo.clip.RULES has "
-                             f"{', '.join(RULES)}")
+        self._named("clip", RULES, "gapo.clip.RULES")
         own = self.rule.upper_field
         other = UPPER_FIELDS[1 - UPPER_FIELDS.index(own)]
         if getattr(self, other) is not None:
@@ -120,11 +121,24 @@ class AlgorithmConfig(_Section):
         if self.eps_lo is None or getattr(self, own) is None:
             raise ValueError(f"algorithm: the {self.clip} rule needs eps_lo and {own} (a preset sets both)")
         self.rule.check(self)
+        self._named("surrogate", SURROGATES, "gapo.algorithms.SURROGATES")
+        self._named("loss_agg", AGGREGATIONS, "gapo.algorithms.AGGREGATIONS")
         return self
+
+    def _named(self, key: str, table: dict, where: str) -> None:
+        """A name must be a row of its table (a config's plugins have registered theirs by now)."""
+        if getattr(self, key) not in table:
+            raise ValueError(f"algorithm.{key}={getattr(self, key)!r}: not in {where} ({', '.join(table)}; a plugin "
+                             "may register another)")
 
     @property
     def rule(self) -> ClipRule:
         return RULES[self.clip]
+
+    @property
+    def bounds_the_weight(self) -> bool:
+        """The bounds cap the IS weight (CISPO's surrogate), not the ratio inside eq. 11's min."""
+        return SURROGATES[self.surrogate].bounds_the_weight
 
     @property
     def upper(self) -> float:

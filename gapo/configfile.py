@@ -18,10 +18,10 @@ from typing import Any, get_args
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from gapo.algorithms import PRESET_SWITCHES, PRESETS, preset_switches
 from gapo.clip import RULES, UPPER_FIELDS, fmt_eps
 from gapo.config import CONFIGS_DIR, Config
 from gapo.errors import ConfigError, did_you_mean
-from gapo.presets import PRESET_SWITCHES, PRESETS, preset_switches
 from gapo.rundir import run_of
 
 log = logging.getLogger("gapo.config")

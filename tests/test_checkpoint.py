@@ -195,7 +195,7 @@ def test_intervention_changes_the_loss_and_records_its_parent(base):
     a, b = metrics(parent), metrics(branch_dir)
     assert b[3]["reward/mean"] == a[3]["reward/mean"]  # same weights and seeds: the same rollouts
     # ... scored by another clip rule: every rollout carries GAPO's eq. 8 bound and is clipped by it.
-    from gapo.trainer.losses import gapo_clip_high
+    from gapo.clip import adaptive_eps_hi
 
     rows = lambda d: [json.loads(x) for x in (d / "rollouts.jsonl").read_text().splitlines()]  # noqa: E731
     old3 = [x for x in rows(parent) if x["step"] == 3]
@@ -203,7 +203,7 @@ def test_intervention_changes_the_loss_and_records_its_parent(base):
     assert [x["text"] for x in old3] == [x["text"] for x in new3]
     assert {x["eps_hi"] for x in old3} == {3e-3}
     for x in new3:
-        bound = float(gapo_clip_high(x["c"], x["k"], 3e-3, 5e-2))
+        bound = float(adaptive_eps_hi(x["c"], x["k"], 3e-3, 5e-2))
         assert x["eps_hi"] == pytest.approx(bound)
         for u in x["updates"]:
             assert (u["clip_hi_tokens"] > 0) == (x["adv"] > 0 and u["is_ratio"] > 1 + bound)

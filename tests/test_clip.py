@@ -6,9 +6,10 @@ import torch
 from test_losses import _batch, _logp, _mb, _reference_loss
 
 from gapo import clip
+from gapo.algorithms import StepNorm
 from gapo.config import AlgorithmConfig
 from gapo.study.band import Rule
-from gapo.trainer.losses import StepNorm, clip_high, policy_loss
+from gapo.trainer.losses import clip_high, policy_loss
 
 
 @pytest.fixture
@@ -19,7 +20,8 @@ def halves(monkeypatch, tmp_path):
     monkeypatch.setattr(gapo.config, "RULES", clip.RULES)
     (tmp_path / "halves.py").write_text(TOY)
     exec(compile(TOY, str(tmp_path / "halves.py"), "exec"), {})  # as a plugin would register it
-    return AlgorithmConfig(is_level="sequence", clip="halves", eps_lo=3e-3, eps_hi_max=5e-3, loss_agg="token_mean")
+    return AlgorithmConfig(is_level="sequence", clip="halves", eps_lo=3e-3, eps_hi_max=5e-3, loss_agg="token_mean",
+                           surrogate="ppo")
 
 
 def test_a_toy_rule_reaches_config_loss_band_and_descriptions(halves):
@@ -49,8 +51,8 @@ def test_a_rule_takes_only_its_own_upper_field_and_unknown_rules_are_refused(hal
     with pytest.raises(ValueError, match=r"algorithm.eps_hi=0.005: the halves rule .* its upper bound is "
                                          r"algorithm.eps_hi_max"):
         AlgorithmConfig(is_level="sequence", clip="halves", eps_lo=3e-3, eps_hi=5e-3)
-    with pytest.raises(ValueError, match=r"algorithm.clip='nope': no such clip rule; gapo.clip.RULES has fixed, "
-                                         r"adaptive, cispo, halves"):
+    with pytest.raises(ValueError, match=r"algorithm.clip='nope': not in gapo.clip.RULES \(fixed, adaptive, cispo, "
+                                         r"halves; a plugin may register another\)"):
         AlgorithmConfig(is_level="sequence", clip="nope", eps_lo=3e-3, eps_hi=5e-3)
     with pytest.raises(ValueError, match="clip rule 'halves' exists already"):
         clip.register(type(clip.RULES["halves"])(tag=" other"))

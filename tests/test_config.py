@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from gapo.algorithms import PRESETS
 from gapo.config import AlgorithmConfig, ConfigError
 from gapo.configfile import load_config, resolve
-from gapo.presets import PRESETS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -313,8 +313,8 @@ def test_algorithm_names_and_clip_rules_come_from_the_presets_table():
     clip is a rule the loss knows."""
     from typing import get_args
 
+    from gapo.algorithms import PRESETS
     from gapo.clip import RULES
-    from gapo.presets import PRESETS
 
     assert get_args(AlgorithmConfig.model_fields["name"].annotation) == tuple(PRESETS)
     assert {p["clip"] for p in PRESETS.values()} == set(RULES)

@@ -188,7 +188,7 @@ def test_the_plans_the_one_gpu_page_quotes_are_what_plan_prints():
 def test_the_home_page_is_a_landing_page():
     """docs/index.md: the README's quickstart word for word, every algorithm by the name a config gives it, what has
     run where (the vLLM-on-CUDA path said not to have run while docs/cluster.md says so), and links to the pages."""
-    from gapo.presets import PRESETS
+    from gapo.algorithms import PRESETS
 
     home = (ROOT / "docs" / "index.md").read_text()
     readme = (ROOT / "README.md").read_text()

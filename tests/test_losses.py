@@ -6,21 +6,25 @@ import numpy as np
 import pytest
 import torch
 
+from gapo.algorithms import StepNorm, group_advantages
+from gapo.clip import adaptive_eps_hi
 from gapo.config import AlgorithmConfig
 from gapo.reward.types import FLAG_UNISOLATED, RewardResult, status_counts
 from gapo.trainer.logprobs import MicroBatch
 from gapo.trainer.losses import (
     RolloutStats,
-    StepNorm,
     clip_high,
-    gapo_clip_high,
-    group_advantages,
     kl_penalty,
     policy_loss,
 )
 from gapo.trainer.step_metrics import RankStep, group_metrics, loss_metrics, update_metrics
 
 # ---------------------------------------------------------------- eq. 8
+
+
+def eq8(c, k, eps_lo, eps_hi_max):
+    """Eq. 8 as the loss reads it: clip_high under GAPO's adaptive rule."""
+    return clip_high(torch.as_tensor(c), torch.as_tensor(k), _algo(clip="adaptive", eps_lo=eps_lo, upper=eps_hi_max))
 
 
 @pytest.mark.parametrize(
@@ -37,14 +41,14 @@ from gapo.trainer.step_metrics import RankStep, group_metrics, loss_metrics, upd
 )
 def test_clip_high_table(k, eps_lo, eps_hi_max, expected):
     cs = torch.tensor(list(expected))
-    got = gapo_clip_high(cs, k, eps_lo, eps_hi_max)
+    got = eq8(cs, k, eps_lo, eps_hi_max)
     np.testing.assert_allclose(got.numpy(), list(expected.values()), rtol=1e-9)
 
 
 def test_clip_high_monotone_per_group_size_and_edges():
     c = torch.tensor([0, 1, 2, 3, 4, 0, 2, 8])
     k = torch.tensor([4, 4, 4, 4, 4, 8, 8, 8])
-    got = gapo_clip_high(c, k, 0.2, 0.28)
+    got = eq8(c, k, 0.2, 0.28)
     assert got[0] == pytest.approx(0.28) and got[4] == pytest.approx(0.2)  # c = 0 and c = k stay in range
     assert got[7] == pytest.approx(0.2)
     assert torch.all(got[1:4].diff() < 0)  # more correct -> tighter bound
@@ -53,7 +57,7 @@ def test_clip_high_monotone_per_group_size_and_edges():
 
 def test_clip_high_rejects_k_below_two():
     with pytest.raises(ValueError, match="k must be >= 2"):
-        gapo_clip_high(torch.tensor([1]), torch.tensor([1]), 0.2, 0.28)
+        eq8(torch.tensor([1]), torch.tensor([1]), 0.2, 0.28)
 
 
 # ---------------------------------------------------------------- advantages
@@ -120,7 +124,8 @@ def _logp(logits, tokens):
 def _algo(is_level="sequence", clip="fixed", eps_lo=0.2, upper=0.28, loss_agg="token_mean", kl_coef=0.0):
     """A resolved algorithm; `upper` is the rule's upper width (eps_hi_max when adaptive, else eps_hi)."""
     bound = {"eps_hi_max": upper} if clip == "adaptive" else {"eps_hi": upper}
-    return AlgorithmConfig(is_level=is_level, clip=clip, eps_lo=eps_lo, loss_agg=loss_agg, kl_coef=kl_coef, **bound)
+    return AlgorithmConfig(is_level=is_level, clip=clip, eps_lo=eps_lo, loss_agg=loss_agg, kl_coef=kl_coef,
+                           surrogate="cispo" if clip == "cispo" else "ppo", **bound)
 
 
 def _mb(mask, old_logp, adv, c, k, ref_logp=None):
@@ -153,7 +158,7 @@ def _reference_loss(logp, old_logp, mask, adv, eps_lo, eps_hi, is_level, n_token
 def test_loss_and_gradient_match_reference(is_level, adaptive):
     logits, tokens, mask, old_logp, ga = _batch(spread=0.3 if is_level == "token" else 0.02)
     eps_lo, eps_hi_max = (0.2, 0.28) if is_level == "token" else (3e-3, 5e-3)
-    eps_hi = gapo_clip_high(ga.c, ga.k, eps_lo, eps_hi_max) if adaptive else eps_hi_max
+    eps_hi = eq8(ga.c, ga.k, eps_lo, eps_hi_max) if adaptive else eps_hi_max
     norm = StepNorm(tokens=float(mask.sum()), seqs=float(mask.shape[0]))
     algo = _algo(is_level, "adaptive" if adaptive else "fixed", eps_lo, eps_hi_max)
 
@@ -207,7 +212,7 @@ def _single(adv, c, ratio, eps_hi=None, is_level="sequence", n=4):
 
 def test_low_c_correct_rollout_is_not_clipped_where_fixed_clip_would():
     # c = 1: A = 7/8, ratio 1.004 lies past GSPO's 1 + 3e-3 but inside GAPO's 1 + 5e-3.
-    assert gapo_clip_high(torch.tensor([1]), 8, 3e-3, 5e-3).item() == pytest.approx(5e-3)
+    assert eq8(torch.tensor([1]), 8, 3e-3, 5e-3).item() == pytest.approx(5e-3)
     g_gapo, s_gapo = _single(7 / 8, 1, 1.004)  # the adaptive rule picks eps_hi(c = 1)
     g_fixed, s_fixed = _single(7 / 8, 1, 1.004, 3e-3)
     assert torch.all(g_gapo < 0) and s_gapo.clip_hi_tokens.item() == 0  # still pushes logp up
@@ -216,7 +221,7 @@ def test_low_c_correct_rollout_is_not_clipped_where_fixed_clip_would():
 
 def test_high_c_correct_rollout_is_clipped_where_wide_fixed_clip_is_not():
     # c = 7: A = 1/8, GAPO's bound is 1 + 3.29e-3; GSPO-asym's fixed 1 + 5e-3 lets 1.004 through.
-    assert gapo_clip_high(torch.tensor([7]), 8, 3e-3, 5e-3).item() == pytest.approx(3e-3 + 2e-3 / 7)
+    assert eq8(torch.tensor([7]), 8, 3e-3, 5e-3).item() == pytest.approx(3e-3 + 2e-3 / 7)
     g_gapo, _ = _single(1 / 8, 7, 1.004)  # the adaptive rule picks eps_hi(c = 7)
     g_asym, _ = _single(1 / 8, 7, 1.004, 5e-3)
     assert torch.all(g_gapo == 0) and torch.all(g_asym < 0)
@@ -255,7 +260,7 @@ def test_overflowing_log_ratio_stays_finite():
 def test_clip_rule_picks_each_rollouts_upper_bound():
     c, k = torch.tensor([0, 1, 2, 3, 4]), torch.tensor([4] * 5)
     adaptive = clip_high(c, k, _algo(clip="adaptive", eps_lo=0.2, upper=0.28))
-    assert torch.equal(adaptive, gapo_clip_high(c, k, 0.2, 0.28))  # eq. 8, per rollout
+    assert torch.allclose(adaptive, adaptive_eps_hi(c.clamp(min=1).double(), k.double(), 0.2, 0.28))  # eq. 8
     assert clip_high(c, k, _algo(clip="fixed", eps_lo=0.2, upper=0.25)).tolist() == [0.25] * 5
     with pytest.raises(ValueError, match="the fixed rule .* has no such bound; its upper bound is algorithm.eps_hi"):
         AlgorithmConfig(clip="fixed", eps_lo=0.2, eps_hi=0.25, eps_hi_max=0.3)  # one shape per rule

@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gapo import rundir
+from gapo.algorithms import PRESETS
 from gapo.clip import RULES, fmt_eps
 from gapo.config import AlgorithmConfig
 from gapo.configfile import load_plugins, read_yaml, resolve
 from gapo.errors import ConfigError, Exit
-from gapo.presets import PRESETS
 from gapo.study.figures import PlotError, algorithm_of, md_cell
 
 LEGACY_ON_POLICY = 1e-4  # |s - 1| below this counts as on-policy in logs without the off_policy flag
@@ -86,7 +86,7 @@ def run_rule(run_dir: Path, label: str, cfg: dict) -> Rule:
 
 
 def checked(r: Rule) -> Rule:
-    if r.algo.is_level != "sequence" or r.algo.rule.weight_clip:
+    if r.algo.is_level != "sequence" or r.algo.bounds_the_weight:
         raise ConfigError(f"rule {r.label!r} ({r.algo.name}): band counts need a sequence-level PPO clip rule "
                           "(GSPO, GAPO and their asymmetric forms); a token-level rule decides per token, and "
                           "rollouts.jsonl logs sequence ratios")

@@ -13,8 +13,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from gapo import rundir
-from gapo.clip import RULES
-from gapo.study.figures import PlotError, Run, run_algorithm
+from gapo.study.figures import PlotError, Run, algorithm_of, run_algorithm
 
 
 def iter_rollouts(path: Path) -> Iterable[dict]:
@@ -108,8 +107,8 @@ def rollouts_page(run: Run, steps: list[int] | None = None, shown_per_c: int = 3
         if rec["step"] in by_step:
             by_step[rec["step"]].append(rec)
     a = run_algorithm(run.config)
-    rule, eps_lo = RULES.get(str(a.get("clip"))), a.get("eps_lo")
-    weight_clip = rule is not None and rule.weight_clip
+    eps_lo, resolved = a.get("eps_lo"), algorithm_of(run.config)
+    weight_clip = resolved is not None and resolved.bounds_the_weight
     token_level = a.get("is_level") != "sequence"
     title = f"Rollouts of {run.label}"
     parts = [f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>{_esc(title)}</title>"

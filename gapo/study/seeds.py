@@ -419,7 +419,7 @@ def write_report(out: Path, groups: dict[str, list[Run]], window: Window = ALL_S
               f"{md_cell(', '.join(str(r.path) for r in runs))} |" for lab, runs in groups.items()]
     algos = {label: algorithm_of(runs[0].config) for label, runs in groups.items() if runs}
     fixed = {label: float(a.eps_hi) for label, a in algos.items()
-             if a is not None and a.rule.constant and not a.rule.weight_clip}
+             if a is not None and a.rule.constant and not a.bounds_the_weight}
     first = algos.get(next(iter(groups), ""))
     k = max(int(r.config.get("rollout", {}).get("group_size", 8)) for runs in groups.values() for r in runs)
     margin = endpoints.bound_gradient(first, k) if first is not None else None

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from gapo.algorithms import GroupAdvantages, group_advantages
 from gapo.config import Config
 from gapo.data import Problem
 from gapo.reward.types import RewardResult
 from gapo.rollout.types import Rollout
-from gapo.trainer.losses import GroupAdvantages, group_advantages
 
 
 @dataclass

@@ -30,6 +30,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from gapo import console, rundir
+from gapo.algorithms import StepNorm
 from gapo.config import Config, ConfigError
 from gapo.data import Problem, Sampler, stop_token_ids
 from gapo.distributed import Placement, gather, init_distributed
@@ -50,7 +51,6 @@ from gapo.trainer.batch import StepBatch
 from gapo.trainer.logprobs import MicroBatch, pack_step
 from gapo.trainer.losses import (
     RolloutStats,
-    StepNorm,
     clip_high,
     kl_penalty,
     policy_loss,

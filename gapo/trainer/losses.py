@@ -1,13 +1,11 @@
-"""The algorithm core: group advantages, importance ratios, the clipped surrogate, the rollout weights.
+"""The loss machinery: importance ratios, the step's normalisers, per-rollout stats, the rollout weights.
 
-Pure torch, no I/O. Notation follows the GAPO paper (§3): a group of k rollouts of one prompt, c of
-them correct, advantage A_i = R_i - mean(R) (= (k-c)/k for a correct rollout with binary rewards),
-IS ratio rho (token level) or s_i (sequence level, GSPO), and the surrogate of eq. 11
+Pure torch, no I/O. What each algorithm is (its advantage, surrogate and aggregation) lives in gapo/algorithms.py,
+side by side; here the ratio is computed at the algorithm's level (per token, or GSPO's per sequence), the clip rule
+(gapo/clip.py) gives each rollout its bounds from c and k (eq. 8 for GAPO's adaptive rule), and the algorithm's
+surrogate and aggregation make the loss: for PPO's surrogate, eq. 11
 
     L = E[ max(-A_i * s_i, -A_i * clip(s_i, 1 - eps_lo, 1 + eps_hi(c_i))) ]
-
-where eps_hi(c) is eq. 8 (`gapo_clip_high`) for the adaptive rule and a constant for fixed clipping
-(`clip_high` asks the algorithm's clip rule, gapo/clip.py).
 
 Shapes: B rollouts in a micro-batch, T padded response length. `mask[b, t]` is 1 on response tokens.
 Every loss here is a *contribution to the optimizer step's loss*: its normaliser is the whole step's
@@ -24,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from gapo.clip import adaptive_eps_hi
+from gapo.algorithms import AGGREGATIONS, SURROGATES, StepNorm
 
 if TYPE_CHECKING:  # type hints only
     from gapo.config import AlgorithmConfig, RolloutCorrection
@@ -36,83 +34,9 @@ if TYPE_CHECKING:  # type hints only
 MAX_LOG_RATIO = 20.0
 
 
-def gapo_clip_high(c: Tensor | int, k: Tensor | int, eps_lo: float, eps_hi_max: float) -> Tensor:
-    """Eq. 8: eps_hi(c) = eps_lo + (eps_hi_max - eps_lo) * (k - c) / (k - 1), elementwise.
-
-    Defined for 1 <= c <= k-1, the groups where a correct rollout has a positive advantage. For c = 0
-    and c = k no rollout has a positive advantage, so the upper bound is never used; c = 0 is raised to 1
-    (eps_hi_max) and c = k gives the formula's own eps_lo, so the value always lies in [eps_lo, eps_hi_max].
-    """
-    c, k = _counts(c, k, "gapo_clip_high")
-    return adaptive_eps_hi(c, k, eps_lo, eps_hi_max)
-
-
-def _counts(c: Tensor | int, k: Tensor | int, who: str) -> tuple[Tensor, Tensor]:
-    """c and k as float64, c held to [1, k]: a bound read at c = 0 or c = k is never used (no rollout there has a
-    positive advantage), and held there it stays within the rule's range."""
-    c = torch.as_tensor(c, dtype=torch.float64)
-    k = torch.as_tensor(k, dtype=torch.float64)
-    if (k < 2).any():
-        raise ValueError(f"{who}: group size k must be >= 2, got {k.min().item():g}")
-    return torch.minimum(torch.clamp(c, min=1.0), k), k
-
-
-# --------------------------------------------------------------------------------------------------
-# Advantages
-# --------------------------------------------------------------------------------------------------
-@dataclass
-class GroupAdvantages:
-    """Per-rollout advantage and the group statistics that GAPO's clip bound and the metrics need."""
-
-    adv: Tensor  # [N] float
-    c: Tensor  # [N] long: correct rollouts in this rollout's group
-    k: Tensor  # [N] long: size of this rollout's group
-    correct: Tensor  # [N] bool
-
-
-def group_advantages(rewards: Tensor, group_sizes: list[int] | Tensor, *, std_normalize: bool = False,
-                     focal_gamma: float = 0.0, correct_threshold: float = 1.0,
-                     std_eps: float = 1e-6) -> GroupAdvantages:
-    """A_i = R_i - mean of its group (Dr.GRPO, the paper's default).
-
-    std_normalize divides by the group's sample std (GRPO); focal_gamma > 0 multiplies by (1 - c/k)^gamma
-    (F-GRPO). Groups are contiguous runs of `rewards` and may differ in size (after filtering).
-    A group whose rewards are all equal gets A = 0 exactly (also with std normalisation).
-    """
-    rewards = rewards.to(torch.float64)
-    sizes = torch.as_tensor(group_sizes, dtype=torch.long)
-    if sizes.sum().item() != rewards.numel():
-        raise ValueError(f"group sizes sum to {sizes.sum().item()} but there are {rewards.numel()} rewards")
-    if (sizes < 1).any():
-        raise ValueError("every group needs at least one rollout")
-    gid = torch.repeat_interleave(torch.arange(len(sizes)), sizes)
-    n = sizes.to(torch.float64)
-    correct = rewards >= correct_threshold
-    c_group = torch.zeros(len(sizes), dtype=torch.long).index_add_(0, gid, correct.long())
-    mean = torch.zeros(len(sizes), dtype=torch.float64).index_add_(0, gid, rewards) / n
-    adv = rewards - mean[gid]
-    if std_normalize:
-        sq = torch.zeros(len(sizes), dtype=torch.float64).index_add_(0, gid, adv**2)
-        std = torch.sqrt(sq / (n - 1).clamp(min=1))  # Bessel-corrected, as GRPO implementations do
-        adv = adv / (std[gid] + std_eps)
-    c, k = c_group[gid], sizes[gid]
-    if focal_gamma > 0:
-        adv = adv * (1.0 - c / k) ** focal_gamma
-    return GroupAdvantages(adv=adv.to(torch.float32), c=c, k=k, correct=correct)
-
-
 # --------------------------------------------------------------------------------------------------
 # Surrogate loss
 # --------------------------------------------------------------------------------------------------
-@dataclass
-class StepNorm:
-    """Normalisers of the whole optimizer step (all micro-batches, all ranks)."""
-
-    tokens: float  # response tokens in the step
-    seqs: float  # rollouts in the step
-    constant: float = 1.0  # Dr.GRPO's per-sequence constant (e.g. max response length)
-
-
 @dataclass
 class RolloutStats:
     """Per-rollout numbers from one loss evaluation; concatenated over the step, they give every metric
@@ -134,15 +58,21 @@ class RolloutStats:
 
 def clip_high(c: Tensor, k: Tensor, algo: AlgorithmConfig) -> Tensor:
     """The upper clip width of each rollout [B] (float64), as the algorithm's clip rule (gapo.clip) sets it from c
-    and k: eq. 8's eps_hi(c) under the adaptive rule, the constant eps_hi under fixed clipping (eps_hi = eps_lo for
-    the symmetric presets) and CISPO's weight cap."""
-    c, k = _counts(c, k, "clip_high")
+    and k: eq. 8's eps_hi(c) under the adaptive rule (gapo.clip.adaptive_eps_hi), the constant eps_hi under fixed
+    clipping (eps_hi = eps_lo for the symmetric presets) and CISPO's weight cap."""
+    # c held to [1, k]: a bound read at c = 0 or c = k is never used (no rollout there has a positive advantage), and
+    # held there it stays within the rule's range.
+    c = torch.as_tensor(c, dtype=torch.float64)
+    k = torch.as_tensor(k, dtype=torch.float64)
+    if (k < 2).any():
+        raise ValueError(f"clip_high: group size k must be >= 2, got {k.min().item():g}")
+    c = torch.minimum(torch.clamp(c, min=1.0), k)
     return torch.as_tensor(algo.rule.eps_hi(c, k, algo), dtype=torch.float64).expand(c.shape).clone()
 
 
 def policy_loss(logp: Tensor, batch: MicroBatch, norm: StepNorm, algo: AlgorithmConfig
                 ) -> tuple[Tensor, RolloutStats]:
-    """The clipped surrogate of eq. 11 for one micro-batch (plus the optional KL penalty).
+    """The algorithm's surrogate (eq. 11 for PPO's) and aggregation for one micro-batch (plus the optional KL penalty).
 
     logp: [B, T] log pi_theta of the response tokens, with gradient. From the batch: in_loss (the mask) and old_logp
     [B, T], adv, c, k [B] (ref_logp [B, T] with a KL penalty). Returns this micro-batch's share of the step
@@ -164,26 +94,10 @@ def policy_loss(logp: Tensor, batch: MicroBatch, norm: StepNorm, algo: Algorithm
     hi = 1.0 + torch.as_tensor(eps_hi, dtype=rho.dtype, device=rho.device)[:, None]
     lo = 1.0 - eps_lo
     a = adv.to(rho.device, rho.dtype)[:, None]
-    if algo.rule.weight_clip:  # CISPO
-        weight = torch.minimum(torch.clamp(rho, min=lo), hi).detach()
-        per_tok = -a * weight * logp
-        clip_hi = rho.detach() > hi
-        clip_lo = rho.detach() < lo
-    else:
-        per_tok = torch.maximum(-a * rho, -a * torch.minimum(torch.clamp(rho, min=lo), hi))
-        clip_hi = (a > 0) & (rho.detach() > hi)
-        clip_lo = (a < 0) & (rho.detach() < lo)
-
+    per_tok, clip_hi, clip_lo = SURROGATES[algo.surrogate].loss(rho, logp, a, lo, hi)
     if batch.rollout_w is not None:  # sampler-trainer correction: detached, after clipping (see rollout_weights)
         per_tok = per_tok * batch.rollout_w.to(per_tok.dtype)
-    if algo.loss_agg == "token_mean":
-        loss = (per_tok * mask).sum() / norm.tokens
-    elif algo.loss_agg == "seq_mean_token_mean":
-        loss = ((per_tok * mask).sum(-1) / n_tok.clamp(min=1)).sum() / norm.seqs
-    elif algo.loss_agg == "seq_sum_constant":
-        loss = (per_tok * mask).sum() / (norm.seqs * norm.constant)
-    else:
-        raise ValueError(f"unknown loss aggregation {algo.loss_agg!r}")
+    loss = AGGREGATIONS[algo.loss_agg](per_tok, mask, norm)
     if algo.kl_coef > 0:
         loss = loss + algo.kl_coef * kl_penalty(logp, batch.ref_logp, batch.in_loss, norm)
 
