@@ -113,7 +113,7 @@ def train_seconds(facts: dict, gpu: str, n: int, rollouts: int, max_new: int, ep
 
 
 def divides(cfg, trainers: int) -> bool:
-    from gapo.config import ConfigError
+    from gapo.errors import ConfigError
 
     try:
         cfg.shape(trainers)

@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 
 from gapo import arithmetic
-from gapo.config import ConfigError, DataConfig, DataSource
+from gapo.config import DataConfig, DataSource
+from gapo.errors import ConfigError
 
 log = logging.getLogger("gapo.data")
 

@@ -36,9 +36,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 from tqdm import tqdm
 
-from gapo.config import Config, ConfigError, DataConfig, RewardConfig
+from gapo.config import Config, DataConfig, RewardConfig
 from gapo.data import Dropped, Problem, arithmetic_problems, build_prompt_ids, load_problems, stop_token_ids
 from gapo.distributed import gather
+from gapo.errors import ConfigError
 from gapo.metrics import coverage, pass_at_k
 from gapo.reward.registry import REWARDERS, check_problems, dropped_summary, rewarder, score_groups
 from gapo.rollout.types import SamplingConfig

@@ -25,8 +25,8 @@ import tempfile
 from functools import partial
 from pathlib import Path
 
-from gapo.config import MATH_INSTRUCTION, Config, ConfigError
-from gapo.errors import did_you_mean
+from gapo.config import MATH_INSTRUCTION, Config
+from gapo.errors import ConfigError, did_you_mean
 
 log = logging.getLogger("gapo.models")
 

@@ -40,8 +40,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gapo import rundir
-from gapo.config import CONFIGS_DIR, Config, ConfigError
+from gapo.config import CONFIGS_DIR, Config
 from gapo.configfile import dump_config, resolve
+from gapo.errors import ConfigError
 from gapo.models import TINY, model_facts
 
 log = logging.getLogger("gapo.rehearse")

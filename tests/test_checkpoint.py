@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gapo.config import ConfigError
+from gapo.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "WANDB_SILENT": "true"}

@@ -9,8 +9,9 @@ import pytest
 import yaml
 
 from gapo.algorithms import PRESETS
-from gapo.config import AlgorithmConfig, ConfigError
+from gapo.config import AlgorithmConfig
 from gapo.configfile import load_config, resolve
+from gapo.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 

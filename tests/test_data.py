@@ -8,9 +8,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from gapo.config import ConfigError
 from gapo.configfile import resolve
 from gapo.data import Sampler, arithmetic_problems, load_problems, load_training_set, tokenize_problems
+from gapo.errors import ConfigError
 from gapo.models import resolve_model
 
 RECORDS = [{"question": "1+1?", "solution": "2", "id": "a"}, {"question": "2+3?", "solution": 5, "id": "b"}]
@@ -129,7 +129,7 @@ def test_shipped_example_file_loads_and_scores():
 
 
 def test_too_many_arithmetic_problems_for_the_levels_is_a_config_error():
-    from gapo.config import ConfigError
+    from gapo.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"data.arithmetic_size=1500.*only 400 found"):
         load_problems("arithmetic", arithmetic_size=1500, arithmetic_levels=["add_small"])

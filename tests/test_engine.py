@@ -215,8 +215,8 @@ def test_a_fresh_run_refuses_a_directory_that_holds_a_run(tmp_path):
     this process: the refusal is the first thing a rank does (checkpoint.resume_or_branch), and how gapo-train turns
     such a ConfigError into exit 2 with its message is test_missing_field_in_data_file_is_named's (issue 46: this
     was a gapo-train start of its own)."""
-    from gapo.config import ConfigError
     from gapo.configfile import load_config
+    from gapo.errors import ConfigError
     from gapo.trainer.checkpoint import resume_or_branch
 
     (tmp_path / "old").mkdir()

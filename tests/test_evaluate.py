@@ -135,7 +135,7 @@ def hub_fails(monkeypatch):
 
 
 def test_named_benchmark_nowhere_names_the_file_the_dataset_and_the_fixes(tmp_path, monkeypatch, hub_fails, capsys):
-    from gapo.config import ConfigError
+    from gapo.errors import ConfigError
     from gapo.evaluation import load_benchmark
     from gapo.study.eval import main
 
@@ -306,7 +306,7 @@ def test_window_reads_a_date_inside_metadata_and_aware_times(tmp_path):
     ("2030-01-01:2031-01-01", "no problem in the window .* dated 2024-07-31 to 2025-03-01"),
 ])
 def test_bad_windows_are_refused_naming_the_spec(lcb_file, window, message):
-    from gapo.config import ConfigError
+    from gapo.errors import ConfigError
     from gapo.evaluation import load_benchmark
 
     with pytest.raises(ConfigError, match=message) as err:
@@ -315,7 +315,7 @@ def test_bad_windows_are_refused_naming_the_spec(lcb_file, window, message):
 
 
 def test_window_on_records_without_a_date_names_the_field_and_the_way_out(tmp_path):
-    from gapo.config import ConfigError
+    from gapo.errors import ConfigError
     from gapo.evaluation import load_benchmark
 
     f = tmp_path / "lcbv5_test.json"
@@ -344,7 +344,7 @@ def test_named_livecodebench_is_deepcoders_v5_cut_and_its_own_window_needs_no_da
     the v5 window keeps it whole, another window cannot be applied to it."""
     import datasets
 
-    from gapo.config import ConfigError
+    from gapo.errors import ConfigError
     from gapo.evaluation import load_benchmark
 
     records = [{"problem": x, "tests": ONE_CASE, "metadata": "{}"} for x in ("a", "b")]
@@ -388,7 +388,7 @@ def test_gapo_eval_model_accepts_a_hub_id_and_names_what_failed(monkeypatch, tmp
     offline), and a path that is nothing gapo-eval knows says what it tried."""
     import huggingface_hub
 
-    from gapo.config import ConfigError
+    from gapo.errors import ConfigError
 
     asked = []
 
@@ -435,7 +435,7 @@ def test_a_run_is_scored_with_its_own_instruction_and_rewarder_settings(tmp_path
     import yaml
 
     from gapo import rundir
-    from gapo.config import ConfigError
+    from gapo.errors import ConfigError
     from gapo.study.eval import parser, run_jobs
 
     ckpt = tmp_path / "run" / rundir.CHECKPOINTS / "step_000002"
@@ -465,8 +465,8 @@ def test_a_run_trained_by_an_earlier_gapo_is_evaluated_and_resolves(tmp_path):
     import yaml
 
     from gapo import rundir
-    from gapo.config import ConfigError
     from gapo.configfile import resolve
+    from gapo.errors import ConfigError
     from gapo.study.eval import parser, run_jobs
 
     ckpt = tmp_path / "run" / rundir.CHECKPOINTS / "step_000002"
@@ -507,8 +507,8 @@ def test_the_engine_context_holds_every_prompt_of_a_benchmark_as_it_is_sampled()
     """No problem is left out for its length (validation and gapo-eval score the same set): the context grows to the
     longest prompt, counted with the instruction appended as it is sampled (never to a bare IFEval prompt), and a
     prompt with no room for a response is an error naming the benchmark and the problem."""
-    from gapo.config import ConfigError
     from gapo.data import Problem
+    from gapo.errors import ConfigError
     from gapo.evaluation import Bench, context_length
 
     class Words:  # one token per word, no template

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from gapo.config import ConfigError
+from gapo.errors import ConfigError
 from gapo.rollout import vllm_engine
 from gapo.rollout.hf_engine import HFEngine, engine_device
 from gapo.rollout.types import SamplingConfig

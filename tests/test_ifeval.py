@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from gapo.config import ConfigError
 from gapo.data import Problem
+from gapo.errors import ConfigError
 from gapo.evaluation import Bench, BenchResult, evaluate, load_benchmark, summary
 from gapo.reward import ifeval
 

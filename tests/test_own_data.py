@@ -47,8 +47,8 @@ def test_the_guide_runs_as_written(tmp_path):
 
 def test_a_plugin_that_is_missing_or_takes_a_used_name_is_refused_and_a_file_is_saved_absolute(tmp_path,
                                                                                                 monkeypatch):
-    from gapo.config import ConfigError
     from gapo.configfile import load_plugins, resolve
+    from gapo.errors import ConfigError
     from gapo.reward import registry
 
     monkeypatch.chdir(tmp_path)

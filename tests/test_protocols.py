@@ -7,8 +7,8 @@ not from the configs, so a config that drifts from its table fails here.
 
 import pytest
 
-from gapo.config import ConfigError
 from gapo.configfile import load_config
+from gapo.errors import ConfigError
 from gapo.evaluation import BENCHMARKS
 from gapo.study.eval import apply_protocol, main, parser
 

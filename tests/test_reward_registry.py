@@ -100,7 +100,8 @@ def test_one_failing_group_costs_only_its_own_rollouts(monkeypatch, caplog):
 def test_training_set_drops_or_refuses_bad_records(tmp_path):
     from transformers import AutoTokenizer
 
-    from gapo.config import ConfigError, DataConfig
+    from gapo.config import DataConfig
+    from gapo.errors import ConfigError
     from gapo.models import resolve_model
     from gapo.reward.registry import training_set
 

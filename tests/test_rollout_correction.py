@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from gapo.config import AlgorithmConfig, ConfigError, RolloutCorrection
+from gapo.config import AlgorithmConfig, RolloutCorrection
 from gapo.configfile import find_config_file, load_config
+from gapo.errors import ConfigError
 from gapo.trainer.logprobs import MicroBatch
 from gapo.trainer.losses import (
     MAX_LOG_RATIO,

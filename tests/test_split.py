@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 from test_checkpoint import ENV, ROOT, _pids_of, _rollouts, _wait_for_step, assert_same_steps, cmd, metrics, run
 
-from gapo.config import ConfigError
 from gapo.configfile import load_config
 from gapo.data import Sampler
 from gapo.distributed import Placement
+from gapo.errors import ConfigError
 from gapo.rollout import split
 from gapo.rollout.transport import GlooBridge
 from gapo.rollout.types import PushReceipt, Rollout, SamplingConfig

@@ -151,6 +151,18 @@ def test_no_module_imports_anothers_private_names():
     assert found == []
 
 
+def test_configerror_is_imported_from_one_place():
+    """gapo.errors defines it; every module, test and bench script imports it from there (it was 14 from gapo.config,
+    14 from gapo.errors), so a reader finds one definition and a grep finds every raiser."""
+    found = []
+    for path in sorted(p for folder in ("gapo", "tests", "bench") for p in (REPO / folder).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module != "gapo.errors" and "ConfigError" in {
+                    a.name for a in node.names}:
+                found.append(f"{path.relative_to(REPO)}: from {node.module}")
+    assert found == []
+
+
 def test_sandbox_host_and_harness_are_separate_programs():
     """The harness runs by path as PID 1 inside the namespaces (python -I: no gapo on its path), so it imports
     the standard library only and ends in its entry point; the host is a plain module."""

@@ -16,8 +16,8 @@ from pathlib import Path
 import pydantic
 import pytest
 
-from gapo.config import ConfigError
 from gapo.configfile import load_config
+from gapo.errors import ConfigError
 from gapo.study import slurm
 from gapo.study.manifest import EXPERIMENTS_DIR, graph, jobs, load_manifest
 

@@ -3,8 +3,8 @@ does not depend on how its rollouts are split, over 1 and 2 ranks, ZeRO-2 and Ze
 
 import pytest
 
-from gapo.config import ConfigError
 from gapo.configfile import resolve
+from gapo.errors import ConfigError
 from gapo.trainer.logprobs import micro_batch_rows
 
 

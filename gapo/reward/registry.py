@@ -32,8 +32,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gapo import faults
-from gapo.config import MATH_INSTRUCTION, ConfigError, DataConfig, RewardConfig
+from gapo.config import MATH_INSTRUCTION, DataConfig, RewardConfig
 from gapo.data import Dropped, Problem, load_training_set, tokenize_problems
+from gapo.errors import ConfigError
 from gapo.reward import code, ifeval, math
 from gapo.reward.types import RewarderUnavailable, RewardResult
 

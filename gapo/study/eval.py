@@ -21,9 +21,9 @@ import yaml
 from pydantic import ValidationError
 
 from gapo import console, rundir
-from gapo.config import CompileMode, ConfigError, DataConfig, Dtype, EngineKind, RewardConfig
+from gapo.config import CompileMode, DataConfig, Dtype, EngineKind, RewardConfig
 from gapo.configfile import OVERRIDE, load_config, read_yaml, upgrade
-from gapo.errors import Exit
+from gapo.errors import ConfigError, Exit
 from gapo.evaluation import (
     Bench,
     BenchResult,

@@ -28,8 +28,9 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
 from gapo import rundir
-from gapo.config import AlgorithmConfig, ConfigError
+from gapo.config import AlgorithmConfig
 from gapo.configfile import read_yaml, resolve
+from gapo.errors import ConfigError
 from gapo.rundir import logged_cs, per_c
 
 Series = list[tuple[int, float]]

@@ -16,9 +16,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from gapo import rundir
-from gapo.config import CompileMode, Config, ConfigError, EvalProtocol
+from gapo.config import CompileMode, Config, EvalProtocol
 from gapo.configfile import load_config, read_yaml, resolve
-from gapo.errors import did_you_mean
+from gapo.errors import ConfigError, did_you_mean
 
 S = TypeVar("S", bound=BaseModel)
 EXPERIMENTS_DIR = Path(__file__).resolve().parents[2] / "experiments"

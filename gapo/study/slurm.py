@@ -14,8 +14,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from gapo.config import ConfigError
-from gapo.errors import out_folder
+from gapo.errors import ConfigError, out_folder
 from gapo.study.manifest import Job, Manifest, Task, local_command
 
 # SLURM's time formats (sbatch --time): M, M:S, H:M:S, D-H, D-H:M, D-H:M:S, or unlimited (-1, infinite)

@@ -34,9 +34,8 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from gapo import rundir
-from gapo.config import ConfigError
 from gapo.configfile import OVERRIDE, load_config
-from gapo.errors import Exit
+from gapo.errors import ConfigError, Exit
 from gapo.proc import die_with_parent
 from gapo.study import slurm
 from gapo.study.budget import budget, disk_shortfall

@@ -37,9 +37,10 @@ from safetensors import SafetensorError
 from torch import Tensor
 
 from gapo import rundir
-from gapo.config import Config, ConfigError
+from gapo.config import Config
 from gapo.configfile import dump_config, read_yaml, resolve
 from gapo.distributed import gather, rank0_decides
+from gapo.errors import ConfigError
 from gapo.faults import injected
 from gapo.trainer.reshard import RESHARD, reshard
 

@@ -31,9 +31,10 @@ from tqdm import tqdm
 
 from gapo import console, rundir
 from gapo.algorithms import StepNorm
-from gapo.config import Config, ConfigError
+from gapo.config import Config
 from gapo.data import Problem, Sampler, stop_token_ids
 from gapo.distributed import Placement, gather, init_distributed
+from gapo.errors import ConfigError
 from gapo.evaluation import Bench, context_length, evaluate, load_benchmark, summary, write_results
 from gapo.faults import injected
 from gapo.memory import plan_text

@@ -12,8 +12,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gapo.config import Config, ConfigError
+from gapo.config import Config
 from gapo.data import Sampler
+from gapo.errors import ConfigError
 from gapo.rollout.engine import Engine
 from gapo.rollout.split import RemoteEngine
 from gapo.rollout.types import Rollout, SamplingConfig

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch.distributed as dist
 from result import write_result
 
-from gapo.config import ConfigError
+from gapo.errors import ConfigError
 from gapo.distributed import init_distributed
 from gapo.trainer.checkpoint import check_shared_filesystem
 
