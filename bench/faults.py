@@ -41,7 +41,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import _util
@@ -259,6 +259,7 @@ class Ended:
     seconds: float
     leaked: list[str]
     fault: str  # what was done, or "" when the role's process never appeared
+    killed_root: bool = False  # the fault was SIGKILL to this command's own process: its exit is -9 by definition
 
 
 def run_one(cmd: list[str], tag: str, limit_s: float, trial: Trial | None, rng: random.Random) -> Ended:
@@ -272,7 +273,7 @@ def run_one(cmd: list[str], tag: str, limit_s: float, trial: Trial | None, rng: 
     err: list[str] = []
     reader = threading.Thread(target=lambda: err.append(root.stderr.read()), daemon=True)
     reader.start()
-    fault = _inject(watch, trial, start, rng) if trial else ""
+    fault, target = _inject(watch, trial, start, rng) if trial else ("", None)
     try:
         code = root.wait(timeout=max(1.0, limit_s - (time.monotonic() - start)))
     except subprocess.TimeoutExpired:
@@ -288,11 +289,12 @@ def run_one(cmd: list[str], tag: str, limit_s: float, trial: Trial | None, rng: 
     leaked = watch.alive()
     for line in leaked:  # leave the machine as it was
         _signal(int(line.split()[0]), signal.SIGKILL)
-    return Ended(code, "".join(err), took, leaked, fault)
+    return Ended(code, "".join(err), took, leaked, fault, target == root.pid and trial.signal == "SIGKILL")
 
 
-def _inject(watch: Watch, trial: Trial, start: float, rng: random.Random) -> str:
-    """At trial.at_s, or as soon after as the role's process exists, the signal to one of them (chosen by `rng`)."""
+def _inject(watch: Watch, trial: Trial, start: float, rng: random.Random) -> tuple[str, int | None]:
+    """At trial.at_s, or as soon after as the role's process exists, the signal to one of them (chosen by `rng`):
+    what was done, and to which pid."""
     while time.monotonic() - start < trial.at_s and watch.root.poll() is None:
         time.sleep(0.05)
     while watch.root.poll() is None:
@@ -305,11 +307,11 @@ def _inject(watch: Watch, trial: Trial, start: float, rng: random.Random) -> str
                 pause = rng.uniform(1.0, 5.0)
                 time.sleep(pause)
                 _signal(pid, signal.SIGCONT)
-                return f"{trial.signal} to {trial.role} {pid} at {time.monotonic() - start - pause:.1f} s, SIGCONT " \
-                       f"{pause:.1f} s later"
-            return f"{trial.signal} to {trial.role} {pid} at {time.monotonic() - start:.1f} s"
+                return (f"{trial.signal} to {trial.role} {pid} at {time.monotonic() - start - pause:.1f} s, SIGCONT "
+                        f"{pause:.1f} s later"), pid
+            return f"{trial.signal} to {trial.role} {pid} at {time.monotonic() - start:.1f} s", pid
         time.sleep(0.05)
-    return ""
+    return "", None
 
 
 def _signal(pid: int, sig: int) -> None:
@@ -319,7 +321,7 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
-def classify(trial: Trial, ended: list[Ended], ref: dict, got: dict) -> tuple[str, str]:
+def classify(trial: Trial, ended: list[Ended], fault: str, ref: dict, got: dict) -> tuple[str, str]:
     """The trial's class and the evidence for it."""
     if any(e.code is None for e in ended):
         return "hang", "no end within the limit"
@@ -331,10 +333,10 @@ def classify(trial: Trial, ended: list[Ended], ref: dict, got: dict) -> tuple[st
         text = next(e.stderr for e in ended if "Traceback (most recent call last)" in e.stderr)
         return "traceback", text[text.index("Traceback"):][:200].replace("\n", " | ")
     listed = {int(c) for c in Exit}
-    odd = [e.code for e in ended if e.code not in listed]
+    odd = [e.code for e in ended if e.code not in listed and not (e.killed_root and e.code == -signal.SIGKILL)]
     if odd:
         return "exit", f"exit {odd[0]}"
-    if not ended[0].fault:
+    if not fault:
         return "missed", "the process never appeared"
     diffs = compare(ref, got)
     if not diffs:
@@ -350,8 +352,9 @@ def trial_run(trial: Trial, refs: dict, base: Path, index: int, rng: random.Rand
     ended: list[Ended] = []
     cmds = commands(trial.scenario, work)
     took = 0.0
-    for i, cmd in enumerate(cmds):  # the fault goes to the first command whose time range holds its moment
-        e = run_one(cmd, f"{base.name}-{index}-{i}", limit, trial if not ended or not ended[0].fault else None, rng)
+    for i, cmd in enumerate(cmds):  # the moment counts from the scenario's start, over its commands
+        pending = None if any(e.fault for e in ended) else replace(trial, at_s=max(0.0, trial.at_s - took))
+        e = run_one(cmd, f"{base.name}-{index}-{i}", limit, pending, rng)
         ended.append(e)
         took += e.seconds
         if e.code not in (0, None) and (again := recovery(trial.scenario, cmd)) is not None:
@@ -361,8 +364,7 @@ def trial_run(trial: Trial, refs: dict, base: Path, index: int, rng: random.Rand
         if ended[-1].code not in (0,):
             break
     fault = next((e.fault for e in ended if e.fault), "")
-    ended[0].fault = fault
-    kind, why = classify(trial, ended, refs[trial.scenario]["outcome"], outcome(trial.scenario, work))
+    kind, why = classify(trial, ended, fault, refs[trial.scenario]["outcome"], outcome(trial.scenario, work))
     return kind, why, fault, took
 
 

@@ -203,7 +203,7 @@ def test_intervention_changes_the_loss_and_records_its_parent(base):
     assert [x["text"] for x in old3] == [x["text"] for x in new3]
     assert {x["eps_hi"] for x in old3} == {3e-3}
     for x in new3:
-        bound = float(adaptive_eps_hi(x["c"], x["k"], 3e-3, 5e-2))
+        bound = float(adaptive_eps_hi(max(x["c"], 1), x["k"], 3e-3, 5e-2))
         assert x["eps_hi"] == pytest.approx(bound)
         for u in x["updates"]:
             assert (u["clip_hi_tokens"] > 0) == (x["adv"] > 0 and u["is_ratio"] > 1 + bound)

@@ -154,7 +154,7 @@ def test_gapo_and_gspo_differ_exactly_where_their_bounds_differ(runs):
     assert [(r["text"], r["adv"], r["c"]) for r in gapo] == [(r["text"], r["adv"], r["c"]) for r in gspo]
     differ = 0
     for a, b in zip(gapo, gspo, strict=True):
-        bound = float(adaptive_eps_hi(a["c"], a["k"], 3e-3, 5e-2))
+        bound = float(adaptive_eps_hi(max(a["c"], 1), a["k"], 3e-3, 5e-2))  # (c = 0: the bound at c = 1)
         assert a["eps_hi"] == pytest.approx(bound) and b["eps_hi"] == pytest.approx(3e-3)
         (ua,), (ub,) = a["updates"], b["updates"]
         # Same weights until the first clip decision can differ: identical ratios in both runs.
@@ -202,11 +202,15 @@ def test_bad_inputs_fail_fast_with_a_message(tmp_path, args, needle):
 
 
 @pytest.mark.e2e
-def test_missing_field_in_data_file_is_named(tmp_path):
+def test_a_record_the_rank_refuses_is_named_and_its_log_kept(tmp_path):
+    """What only a rank can find (here: a record its rewarder cannot score, under data.on_invalid=error) stops the run
+    after its log is in the run folder: exit 2, the message, and where that log is (a record without its prompt
+    field is named before, by the launcher: tests/test_bad_input.py)."""
     data = tmp_path / "d.jsonl"
-    data.write_text('{"problem": "1+1?", "answer": "2"}\n{"question": "2+2?", "answer": "4"}\n')
-    r = gapo_train(tmp_path / "bad", f"data.train={data}", "tracking.mode=disabled", timeout=120)
-    assert r.returncode == 2 and "line 2 has no field 'problem'" in r.stderr and "question" in r.stderr
+    data.write_text('{"problem": "1+1?", "answer": "2"}\n{"problem": "2+2?", "answer": null}\n')
+    r = gapo_train(tmp_path / "bad", f"data.train={data}", "data.on_invalid=error", "tracking.mode=disabled",
+                   timeout=120)
+    assert r.returncode == 2 and "cannot be scored (data.on_invalid=error)" in r.stderr, r.stderr[-2000:]
     assert f"(log of this failed start: {tmp_path / 'bad' / 'train.log'})" in r.stderr  # kept, and said so
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -120,11 +121,21 @@ def run_local(m: Manifest, js: list[Job], nproc: int) -> int:
             return Exit.CONFIG
         cmd = j.command(nproc, resume=resume)
         print(f"gapo-sweep: {where}: {'resuming' if resume else 'starting'}: {shlex.join(cmd)}", flush=True)
-        code = subprocess.call(local_command(cmd))
+        code = run(cmd, where)
         if code:
             print(f"gapo-sweep: {where} failed (exit {code}); rerun the same command to resume", file=sys.stderr)
             return code
     return 0
+
+
+def run(cmd: list[str], what: str) -> int:
+    """A gapo command of the sweep, to its end: its exit code, one of gapo.errors.Exit's (a command killed by a
+    signal is FAILED, said here: the sweep's own exit stays one a requeue script knows)."""
+    code = subprocess.call(local_command(cmd))
+    if code < 0:
+        print(f"gapo-sweep: {what}: killed by {signal.Signals(-code).name}", file=sys.stderr, flush=True)
+        return Exit.FAILED
+    return code
 
 
 def rehearse(m: Manifest, js: list[Job]) -> int:
@@ -141,7 +152,7 @@ def rehearse(m: Manifest, js: list[Job]) -> int:
             resume = kept[min(kept)]
         cmd = j.command(m.nproc, rehearse=True, resume=resume)
         print(f"gapo-sweep: rehearsing {j.run.name}: {shlex.join(cmd)}", flush=True)
-        code = subprocess.call(local_command(cmd))
+        code = run(cmd, f"the rehearsal of {j.run.name}")
         if code:
             return code
         done[j.out] = Path(f"{j.out}-rehearsal" + ("-resumed" if resume else ""))
@@ -154,7 +165,7 @@ def evaluate_all(m: Manifest, js: list[Job], show: bool) -> int:
             print(shlex.join(cmd))
             continue
         print(f"gapo-sweep: {shlex.join(cmd)}", flush=True)
-        code = subprocess.call(local_command(cmd))
+        code = run(cmd, "the evaluation")
         if code:
             return code
     return 0

@@ -18,7 +18,7 @@ import os
 import random
 import signal
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -121,26 +121,9 @@ def setup(cfg: Config, rank: int, world: int, remote: split.RemoteEngine | None)
         if t.resume_from == rundir.AUTO:
             found = f"from {start.ckpt} (step {start.state.step})" if start.ckpt else "no checkpoint yet, a fresh start"
             console.say(f"resume     auto: {found}")
-
     # Memory plan: from config.json alone, so a run that cannot fit stops before anything loads (or downloads); again
     # below where validation's benchmarks need a longer engine context than the training data.
-    device_gb = (torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
-                 if torch.cuda.is_available() else None)
-
-    def plan_or_stop(max_model_len: int | None) -> None:
-        plan, fits = plan_text(cfg, world, device_gb, max_model_len)
-        if device_gb and not fits and t.check_memory:  # GPU only; unverified here
-            engine = ("" if cfg.rollout.placement == "split"
-                      else ", lower rollout.gpu_memory_utilization or turn on rollout.sleep_between_steps")
-            raise ConfigError(f"{plan}\nThe run does not fit this GPU: set trainer.max_tokens_per_micro_batch"
-                              f"{engine} (or start anyway with trainer.check_memory=false: the plan is an estimate)")
-        if rank == 0:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / rundir.MEMORY_PLAN).write_text(plan + "\n")
-            if device_gb:
-                log.info("%s", plan)
-
-    plan_or_stop(None)
+    check_plan(cfg, world, rank, None)
     checkpoint.check_shared_filesystem(run_dir)
 
     # Model and data. Every rank resolves: a file lock in gapo.models lets one process per filesystem build or
@@ -150,34 +133,19 @@ def setup(cfg: Config, rank: int, world: int, remote: split.RemoteEngine | None)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    problems, prompt_ids, dropped = training_set(d, tokenizer)
+    problems, prompt_ids, benches = load_data(cfg, tokenizer, rank)
     sampler = Sampler(len(problems), seed=t.seed)
-    benches = [load_benchmark(spec, ev.limit, d) for spec in ev.benchmarks]
-    dropped += [x for b in benches for x in b.dropped]
-    if rank == 0 and dropped:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        with open(run_dir / rundir.DROPPED, "w") as f:
-            f.writelines(json.dumps(asdict(x)) + "\n" for x in dropped)
-        console.say(f"dropped    {len(dropped)} records before training: {run_dir / rundir.DROPPED}")
 
     # Engine (after init_distributed: vLLM joins the world group), then the actor. Split: the generator ranks build
     # theirs (serve_rollouts) once this rank's leader has told them the run's directory, while the actor loads here.
-    max_model_len = max(d.max_prompt_tokens + max(r.max_new_tokens, ev.max_new_tokens),
-                        context_length(benches, tokenizer, ev.instruction, ev.max_new_tokens, positions))
-    if max_model_len > d.max_prompt_tokens + max(r.max_new_tokens, ev.max_new_tokens):
-        plan_or_stop(max_model_len)  # a benchmark's longest prompt sets the engine's context (gapo.evaluation)
+    budget = d.max_prompt_tokens + max(r.max_new_tokens, ev.max_new_tokens)
+    max_model_len = max(budget, context_length(benches, tokenizer, ev.instruction, ev.max_new_tokens, positions))
+    if max_model_len > budget:
+        check_plan(cfg, world, rank, max_model_len)  # a benchmark's longest prompt sets the engine's context
     if remote is not None:  # its generator builds the engine meanwhile (and is stopped with this rank, if it fails)
         remote.hello(model_dir, str(run_dir), max_model_len)
-    # Rollouts sampled ahead of the checkpoint: only the same placement, ranks and staleness train on them. Checked
-    # before this rank's engine and actor load, so that a wrong resume fails in seconds.
     resharding = start.state is not None and start.state.world_size != world
-    in_flight: dict[int, Request] = {}
-    if start.state is not None and start.state.in_flight:
-        if resharding or r.placement != "split":
-            raise ConfigError(f"{start.ckpt} holds the rollouts of steps {start.state.in_flight}, sampled ahead "
-                              f"(rollout.max_staleness) on {start.state.world_size} training ranks: resume it with "
-                              "rollout.placement=split on as many training ranks")
-        in_flight = load_in_flight(start.ckpt, rank, r.max_staleness)
+    in_flight = rollouts_ahead(start, cfg, rank, resharding)
     engine = remote if remote is not None else engine_of(cfg, model_dir, max_model_len, seed=t.seed + rank)
     actor = Actor(cfg, model_dir, load_universal=resharding)
     checkpoint.check_room(actor, run_dir)  # before any step is spent that a full disk would lose
@@ -188,13 +156,7 @@ def setup(cfg: Config, rank: int, world: int, remote: split.RemoteEngine | None)
         sampler.load_state_dict(start.state.sampler)
         sync.push(engine, actor, start.state.step, probe if r.verify_push != "off" else None)
 
-    tracker = None
-    if rank == 0:
-        going_on = start.state is not None and not start.branched
-        if going_on:  # the same run goes on: same wandb run, log cut back to the checkpoint
-            checkpoint.truncate_metrics(run_dir, start.state.step)
-        # A branch is a new wandb run whose config links its parent.
-        tracker = Tracker(cfg, run_dir, wandb_id=start.state.wandb_id if going_on else None, parent=start.parent)
+    tracker = start_tracker(cfg, start, rank)
     wandb_id = gather(tracker.wandb_id if tracker else None)[0]
     sampling = SamplingConfig(n=r.group_size, temperature=r.temperature, top_p=r.top_p,
                               max_new_tokens=r.max_new_tokens, stop_token_ids=stop_token_ids(tokenizer))
@@ -203,6 +165,61 @@ def setup(cfg: Config, rank: int, world: int, remote: split.RemoteEngine | None)
                  tokenizer=tokenizer, pad_id=pad_id, problems=problems, prompt_ids=prompt_ids, sampler=sampler,
                  benches=benches, engine=engine, actor=actor, probe=probe, tracker=tracker, wandb_id=wandb_id,
                  loaded=start.ckpt, rollouts=rollouts)
+
+
+def check_plan(cfg: Config, world: int, rank: int, max_model_len: int | None) -> None:
+    """The memory plan, written to the run directory; on a GPU too small for it, a ConfigError naming what to set."""
+    device_gb = (torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
+                 if torch.cuda.is_available() else None)
+    plan, fits = plan_text(cfg, world, device_gb, max_model_len)
+    if device_gb and not fits and cfg.trainer.check_memory:  # GPU only; unverified here
+        engine = ("" if cfg.rollout.placement == "split"
+                  else ", lower rollout.gpu_memory_utilization or turn on rollout.sleep_between_steps")
+        raise ConfigError(f"{plan}\nThe run does not fit this GPU: set trainer.max_tokens_per_micro_batch"
+                          f"{engine} (or start anyway with trainer.check_memory=false: the plan is an estimate)")
+    if rank == 0:
+        run_dir = Path(cfg.trainer.output_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / rundir.MEMORY_PLAN).write_text(plan + "\n")
+        if device_gb:
+            log.info("%s", plan)
+
+
+def load_data(cfg: Config, tokenizer, rank: int) -> tuple[list[Problem], list[list[int]], list[Bench]]:
+    """The training problems and their prompts, and validation's benchmarks; rank 0 lists the records left out."""
+    problems, prompt_ids, dropped = training_set(cfg.data, tokenizer)
+    benches = [load_benchmark(spec, cfg.eval.limit, cfg.data) for spec in cfg.eval.benchmarks]
+    dropped += [x for b in benches for x in b.dropped]
+    if rank == 0 and dropped:
+        run_dir = Path(cfg.trainer.output_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with open(run_dir / rundir.DROPPED, "w") as f:
+            f.writelines(json.dumps(asdict(x)) + "\n" for x in dropped)
+        console.say(f"dropped    {len(dropped)} records before training: {run_dir / rundir.DROPPED}")
+    return problems, prompt_ids, benches
+
+
+def rollouts_ahead(start: checkpoint.Start, cfg: Config, rank: int, resharding: bool) -> dict[int, Request]:
+    """Rollouts the checkpoint holds, sampled ahead of it: only the same placement, ranks and staleness train on
+    them. Checked before this rank's engine and actor load, so that a wrong resume fails in seconds."""
+    if start.state is None or not start.state.in_flight:
+        return {}
+    if resharding or cfg.rollout.placement != "split":
+        raise ConfigError(f"{start.ckpt} holds the rollouts of steps {start.state.in_flight}, sampled ahead "
+                          f"(rollout.max_staleness) on {start.state.world_size} training ranks: resume it with "
+                          "rollout.placement=split on as many training ranks")
+    return load_in_flight(start.ckpt, rank, cfg.rollout.max_staleness)
+
+
+def start_tracker(cfg: Config, start: checkpoint.Start, rank: int) -> Tracker | None:
+    """Rank 0's: the same wandb run (and the log cut back to the checkpoint) when the run goes on; a new one, linking
+    its parent, when it branches or starts."""
+    if rank != 0:
+        return None
+    going_on = start.state is not None and not start.branched
+    if going_on:
+        checkpoint.truncate_metrics(start.run_dir, start.state.step)
+    return Tracker(cfg, start.run_dir, wandb_id=start.state.wandb_id if going_on else None, parent=start.parent)
 
 
 def train(cfg: Config) -> Path | None:
@@ -240,36 +257,36 @@ def serve_rollouts(cfg: Config, placement: Placement, link: Transport) -> None:
                        "message says which)")
 
 
+@dataclass
+class Going:
+    """What the step loop carries from one step to the next."""
+
+    done_verifying: bool  # no more pushes to verify: never, or only the first (setup's, when it resumed)
+    alarm: sync.MismatchAlarm
+    loaded_here: bool  # its first step starts from this run's own checkpoint: abandoning that step saves nothing
+    save_scale: float  # a preemption's save is whole: its time over a weights-only save's (trainer.save_only_model)
+    skipped_in_a_row: int = 0
+    last_rest_s: float = 0.0  # the previous step's time after scoring, and its checkpoint's: the deadline check
+    last_save_s: float = 0.0
+    val_history: list[tuple[int, dict | None]] = field(default_factory=list)  # rank 0's summaries
+
+    @classmethod
+    def of(cls, s: Setup) -> Going:
+        r, run_dir = s.cfg.rollout, s.run_dir
+        return cls(done_verifying=r.verify_push == "off" or (r.verify_push == "first" and s.loaded is not None),
+                   alarm=sync.MismatchAlarm(r.mismatch_alarm.factor, r.mismatch_alarm.floor
+                                            or sync.ALARM_FLOOR[s.cfg.model.dtype], r.mismatch_alarm.warmup),
+                   loaded_here=s.loaded is not None and s.loaded.parent.resolve() == (
+                       run_dir / rundir.CHECKPOINTS).resolve(),
+                   save_scale=checkpoint.whole_over_weights(s.actor) if s.cfg.trainer.save_only_model else 1.0)
+
+
 def steps(s: Setup, rank: int, world: int) -> Path:
     """The step loop, from the setup's first step to trainer.total_steps."""
-    cfg, run_dir, engine, actor, tracker, rollouts = s.cfg, s.run_dir, s.engine, s.actor, s.tracker, s.rollouts
-    shape = cfg.shape(world)
-    t, r, a = cfg.trainer, cfg.rollout, cfg.algorithm
-    # Sharing prompts needs the KV cache, which transformers drops under gradient checkpointing in training;
-    # both passes over a micro-batch must take the same path (see actor._decode), so it is decided here.
-    share_prompts = t.share_prompts and not cfg.model.gradient_checkpointing
-    val_history: list[tuple[int, dict | None]] = []  # rank 0's summaries
-    # No more pushes to verify: never, or only the first (which setup's push was, when it resumed a checkpoint).
-    done_verifying = r.verify_push == "off" or (r.verify_push == "first" and s.loaded is not None)
-    alarm = sync.MismatchAlarm(r.mismatch_alarm.factor, r.mismatch_alarm.floor or sync.ALARM_FLOOR[cfg.model.dtype],
-                               r.mismatch_alarm.warmup)
-    # The checkpoint this run loaded is the state its first step starts from: abandoning that step saves nothing.
-    loaded_here = s.loaded is not None and s.loaded.parent.resolve() == (run_dir / rundir.CHECKPOINTS).resolve()
-
-    def save(step: int, ahead: list[int] | None = None, preempted: bool = False) -> None:
-        """Checkpoint `step`; the requests of the steps after it (`ahead`, default all) go in with their rollouts. A
-        preemption's checkpoint is whole under trainer.save_only_model too: the requeued job resumes it."""
-        weights_only = t.save_only_model and not preempted
-        in_flight = {} if weights_only else rollouts.ahead(step, ahead)
-        checkpoint.save(actor, s.tokenizer, cfg, checkpoint.TrainerState(
-            step=step, sampler=s.sampler.state_dict(), world_size=world, wandb_id=s.wandb_id, parent=s.parent,
-            in_flight=sorted(in_flight), weights_only=weights_only), run_dir, in_flight=in_flight)
-
+    t, r = s.cfg.trainer, s.cfg.rollout
+    go = Going.of(s)
     if s.benches and s.first_step == 1 and s.loaded is None:
-        val_history.append((0, validate(s, 0, rank)))
-    skipped_in_a_row = 0
-    last_rest_s = last_save_s = 0.0  # the previous step's time after scoring, and its checkpoint's: a deadline check
-    save_scale = checkpoint.whole_over_weights(actor) if t.save_only_model else 1.0  # a preemption's save is whole
+        go.val_history.append((0, validate(s, 0, rank)))
     # Logged with the first step: process start to it (the step-0 validation included), and the branch's parent.
     first = {"time/startup_s": process_age(), **({"branch/parent_step": s.parent["step"]} if s.parent else {})}
     for step in tqdm(range(s.first_step, t.total_steps + 1), desc="steps", disable=rank != 0,
@@ -277,82 +294,120 @@ def steps(s: Setup, rank: int, world: int) -> Path:
         timings: dict[str, float] = {}
         step_tic = time.perf_counter()
         # This step redone on resume, if it is abandoned: the sampler, RNG and requests as the previous step left them.
-        start = preempt.StepStart(step, s.sampler.state_dict(), checkpoint.rng_state(), rollouts.requested(step))
+        start = preempt.StepStart(step, s.sampler.state_dict(), checkpoint.rng_state(), s.rollouts.requested(step))
         if injected("signal") == str(step) and rank == 0:  # (gapo.faults: the preemption tests)
             os.kill(os.getpid(), signal.SIGTERM)
-        # --- 1. prompts -> rollouts: this step's, requested now or up to rollout.max_staleness steps ago (split) -----
-        req = rollouts.take(step)
-        problems, groups = [s.problems[i] for i in req.problems], req.groups
-        timings["generate"] = req.wait_s
-        # Sampled with the weights of step n-1-max_staleness (the previous step's when synchronous), never others.
-        version = max(step - 1 - r.max_staleness, 0)
-        sync.check_versions(groups, expected=version, step=step)
-
-        # --- 2. rewards, advantages, and which rollouts the loss takes: the step's batch ---------------------------
-        tic = time.perf_counter()
-        results = score_groups(cfg.data.type, [[x.text for x in g] for g in groups], problems, cfg.reward)
-        timings["reward"] = time.perf_counter() - tic
-        batch = StepBatch.scored(step, version, problems, groups, results, cfg)
-        check_rewards(batch.flat_results, cfg.reward.max_error_frac, step, actor.device)
-        preempt.abandon_if_late(start, last_rest_s + last_save_s, t.preempt_deadline_s, actor.device, s.sampler,
-                                None if step == s.first_step and loaded_here else partial(save, preempted=True),
-                                run_dir / rundir.CHECKPOINTS)
+        # --- 1-2. prompts -> rollouts -> rewards, advantages, the rollouts the loss takes: the step's batch ---------
+        req, batch = sample_and_score(s, step, timings)
+        preempt.abandon_if_late(start, go.last_rest_s + go.last_save_s, t.preempt_deadline_s, s.actor.device,
+                                s.sampler, None if step == s.first_step and go.loaded_here else
+                                partial(save, s, world, preempted=True), s.run_dir / rundir.CHECKPOINTS)
         rest_tic = time.perf_counter()
-
-        # --- 3. micro-batches, old log-probs (and entropy, engine/trainer mismatch) ------------------------------
-        tic = time.perf_counter()
-        minis = pack_step(batch.rollouts, batch.adv.adv, batch.adv.c, batch.adv.k, batch.keep, mini=shape.mini,
-                          micro=shape.micro, max_tokens=t.max_tokens_per_micro_batch, pad_id=s.pad_id,
-                          share_prompts=share_prompts, device=actor.device)
-        old = old_logprobs(actor, [mb for mini in minis for mb in mini], cfg)
-        timings["old_logprob"] = time.perf_counter() - tic
-
-        # --- 4. updates: epochs x mini-batches, each an optimizer step over its micro-batches ---------------------
-        tic = time.perf_counter()
-        up = update(actor, minis, cfg, step, run_dir, skipped_in_a_row)
-        skipped_in_a_row = up.skipped_in_a_row
-        timings["train"] = time.perf_counter() - tic
-
+        # --- 3-4. micro-batches and old log-probs, then the updates ------------------------------------------------
+        minis, old, up = learn(s, batch, step, world, go, timings)
         # --- 5. weight push: gather (collective), stream into the engine, verify (gapo/trainer/sync.py) ------------
-        pushed = sync.push(engine, actor, step, None if done_verifying else s.probe)
-        done_verifying = done_verifying or r.verify_push == "first"
+        pushed = sync.push(s.engine, s.actor, step, None if go.done_verifying else s.probe)
+        go.done_verifying = go.done_verifying or r.verify_push == "first"
         timings["weight_push"], timings["push_verify"] = pushed.push_s, pushed.verify_s
-
-        # --- 6. metrics over all ranks ----------------------------------------------------------------------------
-        records = rollout_records(batch, rank, clip_high(batch.adv.c, batch.adv.k, a), up.stats,
-                                  up.stat_rows, up.off_policy) if t.log_rollouts else None
-        parts = gather(RankStep.of(batch, old, up, minis, timings, records))
-        metrics: dict[str, float] = {}
-        if rank == 0:
-            metrics = {**logged_metrics(parts, batch, cfg, up, actor.lr(), req, pushed),
-                       **(first if step == s.first_step else {})}
-            # Everything the step cost on rank 0 (phases + packing, metric gathering), before validation/saving.
-            metrics["time/step_wall_s"] = time.perf_counter() - step_tic
-            tracker.log(step, metrics)
-            if t.log_rollouts:
-                tracker.log_rollouts([rec for p in parts for rec in p.records])
-            console.say(console.step_line(step, t.total_steps, metrics))
-        alarm.sound(step, metrics.get("logprob_mismatch/kl_k3", math.nan), r.mismatch_alarm.mode)
+        # --- 6. metrics over all ranks, validation ------------------------------------------------------------------
+        metrics = log_step(s, step, rank, batch, old, up, minis, timings, req, pushed,
+                           first if step == s.first_step else {}, step_tic)
+        go.alarm.sound(step, metrics.get("logprob_mismatch/kl_k3", math.nan), r.mismatch_alarm.mode)
         if s.benches and ((t.eval_every and step % t.eval_every == 0) or step == t.total_steps):
-            val_history.append((step, validate(s, step, rank)))
-
-        # --- 7. checkpoint (collective), and a preemption's stop ---------------------------------------------------
-        since = preempt.agreed(actor.device)
-        last_rest_s = time.perf_counter() - rest_tic
+            go.val_history.append((step, validate(s, step, rank)))
+        # --- 7. checkpoint (collective), and a preemption's stop -----------------------------------------------------
+        since = preempt.agreed(s.actor.device)
+        go.last_rest_s = time.perf_counter() - rest_tic
         if (t.save_every and step % t.save_every == 0) or step == t.total_steps or since is not None:
             tic = time.perf_counter()
-            save(step, preempted=since is not None)
-            last_save_s = (time.perf_counter() - tic) * save_scale
-        preempt.stop_if_signalled(since, step, t.total_steps, run_dir / rundir.CHECKPOINTS)
-    rollouts.close("done")
-    if tracker:
-        if len(val_history) > 1:
-            (s0, m0), (s1, m1) = val_history[0], val_history[-1]
+            save(s, world, step, preempted=since is not None)
+            go.last_save_s = (time.perf_counter() - tic) * go.save_scale
+        preempt.stop_if_signalled(since, step, t.total_steps, s.run_dir / rundir.CHECKPOINTS)
+    finish(s, go)
+    return s.run_dir
+
+
+def sample_and_score(s: Setup, step: int, timings: dict[str, float]) -> tuple[Request, StepBatch]:
+    """This step's rollouts (requested now, or up to rollout.max_staleness steps ago under split placement), scored,
+    with their advantages and the rollouts the loss takes."""
+    cfg, r = s.cfg, s.cfg.rollout
+    req = s.rollouts.take(step)
+    problems, groups = [s.problems[i] for i in req.problems], req.groups
+    timings["generate"] = req.wait_s
+    # Sampled with the weights of step n-1-max_staleness (the previous step's when synchronous), never others.
+    version = max(step - 1 - r.max_staleness, 0)
+    sync.check_versions(groups, expected=version, step=step)
+    tic = time.perf_counter()
+    results = score_groups(cfg.data.type, [[x.text for x in g] for g in groups], problems, cfg.reward)
+    timings["reward"] = time.perf_counter() - tic
+    batch = StepBatch.scored(step, version, problems, groups, results, cfg)
+    check_rewards(batch.flat_results, cfg.reward.max_error_frac, step, s.actor.device)
+    return req, batch
+
+
+def learn(s: Setup, batch: StepBatch, step: int, world: int, go: Going, timings: dict[str, float]
+          ) -> tuple[list[list[MicroBatch]], OldLogprobs, Updates]:
+    """Micro-batches, their old log-probs (and entropy, the engine/trainer mismatch), then epochs x mini-batches of
+    optimizer steps."""
+    cfg, t = s.cfg, s.cfg.trainer
+    shape = cfg.shape(world)
+    # Sharing prompts needs the KV cache, which transformers drops under gradient checkpointing in training;
+    # both passes over a micro-batch must take the same path (see actor._decode), so it is decided here.
+    share_prompts = t.share_prompts and not cfg.model.gradient_checkpointing
+    tic = time.perf_counter()
+    minis = pack_step(batch.rollouts, batch.adv.adv, batch.adv.c, batch.adv.k, batch.keep, mini=shape.mini,
+                      micro=shape.micro, max_tokens=t.max_tokens_per_micro_batch, pad_id=s.pad_id,
+                      share_prompts=share_prompts, device=s.actor.device)
+    old = old_logprobs(s.actor, [mb for mini in minis for mb in mini], cfg)
+    timings["old_logprob"] = time.perf_counter() - tic
+    tic = time.perf_counter()
+    up = update(s.actor, minis, cfg, step, s.run_dir, go.skipped_in_a_row)
+    go.skipped_in_a_row = up.skipped_in_a_row
+    timings["train"] = time.perf_counter() - tic
+    return minis, old, up
+
+
+def log_step(s: Setup, step: int, rank: int, batch: StepBatch, old: OldLogprobs, up: Updates,
+             minis: list[list[MicroBatch]], timings: dict[str, float], req: Request, pushed: sync.Verified,
+             first: dict, step_tic: float) -> dict[str, float]:
+    """The step's metrics gathered from every rank; rank 0 logs them (and the rollouts) and prints the step's line.
+    `first`: the first step's startup keys; `step_tic`: when the step began."""
+    cfg, t = s.cfg, s.cfg.trainer
+    records = rollout_records(batch, rank, clip_high(batch.adv.c, batch.adv.k, cfg.algorithm), up.stats,
+                              up.stat_rows, up.off_policy) if t.log_rollouts else None
+    parts = gather(RankStep.of(batch, old, up, minis, timings, records))
+    if rank != 0:
+        return {}
+    metrics = {**logged_metrics(parts, batch, cfg, up, s.actor.lr(), req, pushed), **first}
+    # Everything the step cost on rank 0 (phases + packing, metric gathering), before validation/saving.
+    metrics["time/step_wall_s"] = time.perf_counter() - step_tic
+    s.tracker.log(step, metrics)
+    if t.log_rollouts:
+        s.tracker.log_rollouts([rec for p in parts for rec in p.records])
+    console.say(console.step_line(step, t.total_steps, metrics))
+    return metrics
+
+
+def save(s: Setup, world: int, step: int, ahead: list[int] | None = None, preempted: bool = False) -> None:
+    """Checkpoint `step` (collective); the requests of the steps after it (`ahead`, default all) go in with their
+    rollouts. A preemption's checkpoint is whole under trainer.save_only_model too: the requeued job resumes it."""
+    weights_only = s.cfg.trainer.save_only_model and not preempted
+    in_flight = {} if weights_only else s.rollouts.ahead(step, ahead)
+    checkpoint.save(s.actor, s.tokenizer, s.cfg, checkpoint.TrainerState(
+        step=step, sampler=s.sampler.state_dict(), world_size=world, wandb_id=s.wandb_id, parent=s.parent,
+        in_flight=sorted(in_flight), weights_only=weights_only), s.run_dir, in_flight=in_flight)
+
+
+def finish(s: Setup, go: Going) -> None:
+    """After the last step: the generators told (split), the held-out result said, the tracker closed."""
+    s.rollouts.close("done")
+    if s.tracker:
+        if len(go.val_history) > 1:
+            (s0, m0), (s1, m1) = go.val_history[0], go.val_history[-1]
             console.say(f"held-out pass@1: {m0['val/mean/pass@1']:.3f} at step {s0} -> {m1['val/mean/pass@1']:.3f} "
-                        f"at step {s1}  ({', '.join(b.name for b in s.benches)}; n={cfg.eval.n})")
-        tracker.finish()
+                        f"at step {s1}  ({', '.join(b.name for b in s.benches)}; n={s.cfg.eval.n})")
+        s.tracker.finish()
     dist.barrier()
-    return run_dir
 
 
 def validate(s: Setup, step: int, rank: int) -> dict | None:
