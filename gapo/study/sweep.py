@@ -173,6 +173,38 @@ def evaluate_all(m: Manifest, js: list[Job], show: bool) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     die_with_parent()  # under a scheduler's or a person's kill, the runs it started go too
+    p = parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # key.path=value: a config setting for every run (not a DIR of --slurm, which takes an optional value)
+    overrides = [a for a in argv if OVERRIDE.match(a)]
+    args = p.parse_args([a for a in argv if not OVERRIDE.match(a)])
+    scheduler = next((name for name in BACKENDS if getattr(args, name) is not None), None)
+    if scheduler and (args.show or args.run or args.rehearse or args.budget):
+        p.error(f"--{scheduler} goes alone or with --eval")
+    if scheduler is None and not (args.show or args.run or args.rehearse or args.eval or args.budget):
+        p.error(f"one of --print, {', '.join(f'--{name}' for name in BACKENDS)}, --run, --rehearse, --eval, --budget "
+                "is required")
+    try:
+        m, js = resolved_jobs(args, scheduler, overrides)
+        if scheduler:
+            write_scheduler(m, js, args, scheduler)
+        elif args.show:
+            print_commands(m, js)
+        elif args.run:
+            return run_local(m, js, args.nproc or m.nproc)
+        elif args.rehearse:
+            return rehearse(m, js)
+        elif args.eval:
+            return evaluate_all(m, js, args.list)
+        else:
+            print(budget(m, js))
+    except ConfigError as err:
+        print(f"gapo-sweep: {err}", file=sys.stderr)
+        return Exit.CONFIG
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
     modes = " | ".join(["--print", "--run", "--rehearse", "--eval [--list]", "--budget",
                         *(f"--{name} [DIR] [--eval]" for name in BACKENDS)])
     p = argparse.ArgumentParser(prog="gapo-sweep", description=__doc__.split("\n\n")[0],
@@ -202,62 +234,45 @@ def main(argv: list[str] | None = None) -> int:
                                  f"{name}'s: a scheduler's flags must be its own")
             taken[field] = name
             group.add_argument(f"--{field.replace('_', '-')}", metavar="VALUE", dest=f"{name}.{field}")
-    argv = sys.argv[1:] if argv is None else list(argv)
-    # key.path=value: a config setting for every run (not a DIR of --slurm, which takes an optional value)
-    overrides = [a for a in argv if OVERRIDE.match(a)]
-    args = p.parse_args([a for a in argv if not OVERRIDE.match(a)])
-    scheduler = next((name for name in BACKENDS if getattr(args, name) is not None), None)
-    if scheduler and (args.show or args.run or args.rehearse or args.budget):
-        p.error(f"--{scheduler} goes alone or with --eval")
-    if scheduler is None and not (args.show or args.run or args.rehearse or args.eval or args.budget):
-        p.error(f"one of --print, {', '.join(f'--{name}' for name in BACKENDS)}, --run, --rehearse, --eval, --budget "
-                "is required")
-    try:
-        m = known_blocks(load_manifest(args.manifest))
-        given = {name: {f: getattr(args, f"{name}.{f}") for f in b.flags if getattr(args, f"{name}.{f}") is not None}
-                 for name, b in BACKENDS.items()}
-        for name, values in given.items():
-            if values and name != scheduler:
-                raise ConfigError(f"--{next(iter(values)).replace('_', '-')} goes with --{name}")
-        ours = [o for o in overrides if o.split("=", 1)[0] in ("trainer.seed", "trainer.output_dir",
-                                                               "trainer.keep_steps")]
-        if ours:
-            raise ConfigError(f"{ours[0]}: gapo-sweep sets this per run and seed from the manifest (seeds:, its output "
-                              "folders, the evaluated steps); change the manifest instead")
-        if overrides:  # after each run's own, so that they win; the output folders stay the manifest's
-            m = m.model_copy(update={"runs": [r if r.use else r.model_copy(update={"overrides": [*r.overrides,
-                                                                                              *overrides]})
-                                              for r in m.runs]})
-        js = jobs(m, args.output_root)
-        check(m, js)
-        for b in BACKENDS.values():
-            if b.check:
-                b.check(m, js)
-        if args.run or args.eval or scheduler:  # what it trains, skips as finished or evaluates must be its own
-            check_folders(js)
-        if scheduler:
-            block = {**(m.model_extra or {}).get(scheduler, {}), **given[scheduler]}
-            m = m.model_copy(update={scheduler: block})
-            m.block(scheduler, BACKENDS[scheduler].spec)  # a bad --flag value is named before anything is written
-            out = Path(getattr(args, scheduler) or Path(args.output_root or m.output_root) / m.name / scheduler)
-            for f in BACKENDS[scheduler].render(m, graph(m, js, train=not args.eval), out, Path.cwd()):
-                print(f"gapo-sweep: wrote {f}")
-            submit = f.relative_to(Path.cwd().resolve()) if f.is_relative_to(Path.cwd().resolve()) else f
-            print(f"gapo-sweep: submit with: bash {submit}")
-        elif args.show:
-            print_commands(m, js)
-        elif args.run:
-            return run_local(m, js, args.nproc or m.nproc)
-        elif args.rehearse:
-            return rehearse(m, js)
-        elif args.eval:
-            return evaluate_all(m, js, args.list)
-        else:
-            print(budget(m, js))
-    except ConfigError as err:
-        print(f"gapo-sweep: {err}", file=sys.stderr)
-        return Exit.CONFIG
-    return 0
+    return p
+
+
+def resolved_jobs(args: argparse.Namespace, scheduler: str | None, overrides: list[str]) -> tuple[Manifest, list[Job]]:
+    """The manifest with the command line's settings and scheduler flags, its jobs, each checked before anything is
+    trained, evaluated or written (and a run folder already there, that it is the job's own)."""
+    m = known_blocks(load_manifest(args.manifest))
+    for name, b in BACKENDS.items():
+        given = [f for f in b.flags if getattr(args, f"{name}.{f}") is not None]
+        if given and name != scheduler:
+            raise ConfigError(f"--{given[0].replace('_', '-')} goes with --{name}")
+    ours = [o for o in overrides if o.split("=", 1)[0] in ("trainer.seed", "trainer.output_dir", "trainer.keep_steps")]
+    if ours:
+        raise ConfigError(f"{ours[0]}: gapo-sweep sets this per run and seed from the manifest (seeds:, its output "
+                          "folders, the evaluated steps); change the manifest instead")
+    if overrides:  # after each run's own, so that they win; the output folders stay the manifest's
+        m = m.model_copy(update={"runs": [r if r.use else r.model_copy(update={"overrides": [*r.overrides, *overrides]})
+                                          for r in m.runs]})
+    js = jobs(m, args.output_root)
+    check(m, js)
+    for b in BACKENDS.values():
+        if b.check:
+            b.check(m, js)
+    if args.run or args.eval or scheduler:  # what it trains, skips as finished or evaluates must be its own
+        check_folders(js)
+    return m, js
+
+
+def write_scheduler(m: Manifest, js: list[Job], args: argparse.Namespace, scheduler: str) -> None:
+    """The scheduler's job scripts (its block, with the command line's flags over it) and the command to submit."""
+    given = {f: getattr(args, f"{scheduler}.{f}") for f in BACKENDS[scheduler].flags
+             if getattr(args, f"{scheduler}.{f}") is not None}
+    m = m.model_copy(update={scheduler: {**(m.model_extra or {}).get(scheduler, {}), **given}})
+    m.block(scheduler, BACKENDS[scheduler].spec)  # a bad --flag value is named before anything is written
+    out = Path(getattr(args, scheduler) or Path(args.output_root or m.output_root) / m.name / scheduler)
+    for f in BACKENDS[scheduler].render(m, graph(m, js, train=not args.eval), out, Path.cwd()):
+        print(f"gapo-sweep: wrote {f}")
+    submit = f.relative_to(Path.cwd().resolve()) if f.is_relative_to(Path.cwd().resolve()) else f
+    print(f"gapo-sweep: submit with: bash {submit}")
 
 
 if __name__ == "__main__":
