@@ -66,25 +66,7 @@ def load_problems(source: str, *, prompt_key: str = "problem", answer_key: str =
         except ValueError as err:  # too many problems for the chosen levels, or an unknown level
             raise ConfigError(f"data.arithmetic_size={arithmetic_size}, data.arithmetic_levels={arithmetic_levels}: "
                               f"{err}") from None
-    path = Path(source).expanduser()
-    if path.suffix in LOCAL_SUFFIXES:
-        if not path.is_file():
-            raise ConfigError(f"data file {source!r} not found")
-        records, lines = _read_file(path)
-        where = str(path)
-    else:
-        import datasets
-
-        try:
-            if sample:
-                records = list(datasets.load_dataset(source, subset, split=split, streaming=True).take(sample))
-            else:
-                records = list(datasets.load_dataset(source, subset, split=split))
-        except Exception as err:  # the library raises many kinds; the user needs the name and the cause
-            raise ConfigError(f"dataset {source!r}{f' (subset {subset!r})' if subset else ''}: not a "
-                              ".json/.jsonl/.parquet file and not loadable by datasets.load_dataset "
-                              f"({type(err).__name__}: {err})") from err
-        where, lines = f"dataset {source!r}" + (f" subset {subset!r}" if subset else ""), None
+    records, lines, where = _records(source, subset, split, sample)
     records = records[:sample] if sample else records
     if records and all(isinstance(r, dict) and answer_key not in r for r in records):
         raise ConfigError(f"{where}: no record has the field {answer_key!r} (fields: {', '.join(sorted(records[0]))}); "
@@ -108,6 +90,27 @@ def load_problems(source: str, *, prompt_key: str = "problem", answer_key: str =
     if not problems:
         raise ConfigError(f"{where}: no problems")
     return problems
+
+
+def _records(source: str, subset: str | None, split: str, sample: int | None) -> tuple[list, list[int] | None, str]:
+    """A local file's records (with each one's JSONL line) or a hub dataset's, and how a message names the source."""
+    path = Path(source).expanduser()
+    if path.suffix in LOCAL_SUFFIXES:
+        if not path.is_file():
+            raise ConfigError(f"data file {source!r} not found")
+        return (*_read_file(path), str(path))
+    import datasets
+
+    try:
+        if sample:
+            records = list(datasets.load_dataset(source, subset, split=split, streaming=True).take(sample))
+        else:
+            records = list(datasets.load_dataset(source, subset, split=split))
+    except Exception as err:  # the library raises many kinds; the user needs the name and the cause
+        raise ConfigError(f"dataset {source!r}{f' (subset {subset!r})' if subset else ''}: not a "
+                          ".json/.jsonl/.parquet file and not loadable by datasets.load_dataset "
+                          f"({type(err).__name__}: {err})") from err
+    return records, None, f"dataset {source!r}" + (f" subset {subset!r}" if subset else "")
 
 
 def _with_func_name(tests: Any, metadata: Any) -> Any:
