@@ -145,26 +145,7 @@ def resolve(raw: dict | None = None, overrides: list[str] | tuple[str, ...] = ()
             method_overrides.append((".".join(path[1:]), value))
     if tree.get("plugins"):  # before anything reads a rule or a rewarder's name that a plugin adds
         tree["plugins"] = load_plugins(tree["plugins"])
-    algo = tree.get("algorithm") or {}
-    if not isinstance(algo, dict):
-        raise ConfigError(f"algorithm: expected a mapping, got {algo!r}")
-    name = algo.get("name", "gapo")
-    if not isinstance(name, str) or name not in PRESETS:
-        raise ConfigError(f"algorithm.name: unknown algorithm {name!r}; allowed: {', '.join(PRESETS)}")
-    if "name" in cli_algo and name != file_algo.get("name", "gapo"):
-        dropped = sorted(k for k in PRESET_SWITCHES if k in file_algo and k not in cli_algo)
-        if dropped:
-            log.info("algorithm.name=%s on the command line: not using the config file's %s (they set up %s)",
-                     name, ", ".join(f"algorithm.{k}" for k in dropped), file_algo.get("name", "gapo"))
-        algo = {k: v for k, v in algo.items() if k not in dropped}
-    merged = {**preset_switches(name, algo), **{k: v for k, v in algo.items() if v is not None}}
-    # Configs written before each rule had its own shape carry both upper fields, always equal: keep the rule's.
-    clip = merged.get("clip")
-    own = RULES[clip].upper_field if isinstance(clip, str) and clip in RULES else UPPER_FIELDS[0]
-    other = UPPER_FIELDS[1 - UPPER_FIELDS.index(own)]
-    if other in merged and merged[other] == merged.get(own):
-        del merged[other]
-    tree["algorithm"] = merged
+    tree["algorithm"] = _algorithm(tree.get("algorithm") or {}, file_algo, cli_algo)
     try:
         cfg = Config.model_validate(tree)
     except ValidationError as err:
@@ -179,6 +160,31 @@ def resolve(raw: dict | None = None, overrides: list[str] | tuple[str, ...] = ()
     if cfg.trainer.output_dir is None:
         cfg.trainer.output_dir = default_output_dir(cfg, config_name, method_overrides)
     return cfg
+
+
+def _algorithm(algo: Any, file_algo: dict, cli_algo: dict) -> dict:
+    """The algorithm section as it runs: the preset's switches under the ones set (a command line naming another
+    algorithm than the file drops the file's switches, see `resolve`)."""
+    if not isinstance(algo, dict):
+        raise ConfigError(f"algorithm: expected a mapping, got {algo!r}")
+    name = algo.get("name", "gapo")
+    if not isinstance(name, str) or name not in PRESETS:
+        raise ConfigError(f"algorithm.name: unknown algorithm {name!r}; allowed: {', '.join(PRESETS)}"
+                          f"{did_you_mean(str(name), PRESETS)}")
+    if "name" in cli_algo and name != file_algo.get("name", "gapo"):
+        dropped = sorted(k for k in PRESET_SWITCHES if k in file_algo and k not in cli_algo)
+        if dropped:
+            log.info("algorithm.name=%s on the command line: not using the config file's %s (they set up %s)",
+                     name, ", ".join(f"algorithm.{k}" for k in dropped), file_algo.get("name", "gapo"))
+        algo = {k: v for k, v in algo.items() if k not in dropped}
+    merged = {**preset_switches(name, algo), **{k: v for k, v in algo.items() if v is not None}}
+    # Configs written before each rule had its own shape carry both upper fields, always equal: keep the rule's.
+    clip = merged.get("clip")
+    own = RULES[clip].upper_field if isinstance(clip, str) and clip in RULES else UPPER_FIELDS[0]
+    other = UPPER_FIELDS[1 - UPPER_FIELDS.index(own)]
+    if other in merged and merged[other] == merged.get(own):
+        del merged[other]
+    return merged
 
 
 def default_output_dir(cfg: Config, name: str | None, method_overrides: list[tuple[str, Any]]) -> str:
