@@ -163,6 +163,18 @@ def test_configerror_is_imported_from_one_place():
     assert found == []
 
 
+def test_every_module_has_its_tests_named_in_the_tests_map():
+    """tests/README.md maps each module of gapo/ to the files that test it (the test files are named for what they test,
+    a module by several): a new module is not done until the map says where it is tested."""
+    text = (REPO / "tests" / "README.md").read_text()
+    import re
+
+    mapped = {name.split("/")[-1] for name in re.findall(r"[\w/]+\.py", text)}
+    missing = [str(p.relative_to(REPO)) for p in sorted((REPO / "gapo").rglob("*.py"))
+               if p.name != "__init__.py" and p.name not in mapped]
+    assert missing == [], f"tests/README.md does not name {missing}"
+
+
 def test_sandbox_host_and_harness_are_separate_programs():
     """The harness runs by path as PID 1 inside the namespaces (python -I: no gapo on its path), so it imports
     the standard library only and ends in its entry point; the host is a plain module."""
