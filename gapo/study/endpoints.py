@@ -264,6 +264,9 @@ def reading(endpoint: str, a: AcrossSeeds, p_holm: float, e1_margin: float | Non
             f"(predicted: {'positive' if sign > 0 else 'negative'})")
 
 
+Row = tuple[str, str, AcrossSeeds]  # (endpoint, label or pair, its values across seeds)
+
+
 def report(groups: dict[str, dict[int, Path]], fixed_eps_hi: dict[str, float], control: str | None = None,
            e1_margin: float | None = None, out: Path | None = None) -> list[str]:
     """The endpoints as the plan reads them, for `gapo-compare seeds`: `groups` maps a label to its runs by trainer.seed
@@ -286,59 +289,16 @@ def report(groups: dict[str, dict[int, Path]], fixed_eps_hi: dict[str, float], c
              "| endpoint | label(s) | mean [95 % CI] | SD | seeds | p (t) | p (sign-flip) | p (Holm, every row: "
              "exploratory) | p (Holm, the plan's primary family) |",
              "|---|---|---|---|---|---|---|---|---|"]
-
-    def tag(primary: bool, kind: str = "secondary") -> str:
-        return "" if control is None or primary else f" ({kind})"
-
-    rows: list[tuple[str, str, AcrossSeeds]] = []
     try:
         dec = {label: {seed: decisions(path) for seed, path in runs.items()} for label, runs in groups.items()}
     except PlotError as err:
         dec = None
         lines.insert(3, f"E1 and E3 need every run's rollouts.jsonl (trainer.log_rollouts=true): {err}")
-    if dec is not None:
-        why = {label: {s: why_none(d) for s, d in by_seed.items()} for label, by_seed in dec.items()}
-        for label in labels:
-            e1 = {s: premise(d, list(fixed_eps_hi.values())) for s, d in dec[label].items()}
-            rows.append((f"E1 log-ratio slope on (k-c)/k{tag(label == control)}", label,
-                         across_seeds({s: v["log ratio"] for s, v in e1.items()}, why[label])))
-            if control is not None and label == control:  # the same ratios judged under each fixed bound
-                for eps_hi in dict.fromkeys(fixed_eps_hi.values()):  # two rules at one bound: one row
-                    key = f"P(clip) at 1 + {eps_hi:g}"  # the plan names the control's own bound; others: exploratory
-                    kind = "secondary" if eps_hi == fixed_eps_hi.get(control) else "exploratory"
-                    rows.append((f"E1 {key} slope{tag(False, kind)}", label,
-                                 across_seeds({s: v[key] for s, v in e1.items()}, why[label])))
-    corr = {label: {seed: mean_is_adv_corr(path) for seed, path in runs.items()} for label, runs in groups.items()}
-    corr_why = {label: {s: "no step logged is_adv_corr" for s in by_seed} for label, by_seed in corr.items()}
-    first = labels[0]
-    for other in labels[1:]:
-        pair, main = f"{first} − {other}", other == control
-        rows.append((f"E2 mean is_adv_corr, Δ{tag(main)}", pair, across_seeds(
-            paired(corr[first], corr[other]),
-            why_paired((first, other), (corr[first], corr[other]), (corr_why[first], corr_why[other])))))
-        if dec is not None:
-            for name, per_run, kind in (("E3 P(clip) slope on (k-c)/k under the run's rule, Δ", clip_slope, tag(main)),
-                                        ("E3 advantage-weighted clip share, Δ", weighted_clip_share, tag(False))):
-                value = {label: {s: per_run(d) for s, d in dec[label].items()} for label in (first, other)}
-                rows.append((f"{name}{kind}", pair, across_seeds(
-                    paired(value[first], value[other]),
-                    why_paired((first, other), (value[first], value[other]), (why[first], why[other])))))
+    rows = endpoint_rows(groups, fixed_eps_hi, control, dec)
     adjusted = holm([r[2].p_t for r in rows])
-    primary = [i for i, (name, label, _) in enumerate(rows) if control is not None and (
-        (name.startswith("E1 log-ratio") and label == control) or
-        (name.startswith(("E2", "E3 P(clip)")) and label == f"{first} − {control}"))]
-    family: dict[int, float] = {}
-    if control is not None:
-        # Holm over the plan's three. A primary row missing (no runs, no rollouts) or without a p counts as p = 1, which
-        # keeps the family-wise level (conservative), and reads "not estimable"; the others are still read.
-        ps = [rows[i][2].p_t if math.isfinite(rows[i][2].p_t) else 1.0 for i in primary]
-        family = dict(zip(primary, holm(ps + [1.0] * (3 - len(primary)))[:len(primary)], strict=True))
-        found = {rows[i][0].split()[0] for i in primary if math.isfinite(rows[i][2].p_t)}
-        if found != set(PREDICTED):
-            missing = ", ".join(sorted(set(PREDICTED) - found))
-            lines.insert(4, f"The plan's primary family is incomplete here ({missing} without runs or without a p): "
-                            "counted as p = 1 in Holm (conservative), read as not estimable, or in words where its "
-                            "seeds show no spread.")
+    primary, family, incomplete = primary_family(rows, labels[0], control)
+    if incomplete:
+        lines.insert(4, incomplete)
     for i, ((name, label, a), p) in enumerate(zip(rows, adjusted, strict=True)):
         held = i in family and math.isfinite(a.p_t)
         lines.append(f"| {name} | {label} | {_cell(a)} | {p:.3g} | {f'{family[i]:.3g}' if held else ''} |")
@@ -351,53 +311,135 @@ def report(groups: dict[str, dict[int, Path]], fixed_eps_hi: dict[str, float], c
     read = {i: reading(rows[i][0].split()[0], rows[i][2], family[i] if math.isfinite(rows[i][2].p_t) else math.nan,
                        e1_margin) for i in primary}
     if control is not None:
-        margin = (f"E1's margin, the first label's bound gradient per unit of advantage, to the two digits the plan "
-                  f"writes: {e1_margin:.4g}" if e1_margin
-                  else "E1's margin: none (the first label's bound does not grow with the advantage), so E1 counts "
-                       "against only on the other side of zero")
-        lines += ["", "### The primary family, read by the plan's rules", "", f"{margin}.", "",
-                  "| endpoint | label(s) | mean [95 % CI] | p (Holm, the family) | reading |", "|---|---|---|---|---|"]
-        for i in primary:
-            name, label, a = rows[i]
-            p = family[i] if math.isfinite(a.p_t) else float("nan")
-            lines.append(f"| {name} | {label} | {a.mean:+.4g} [{a.lo:+.4g}, {a.hi:+.4g}] | {p:.3g} | {read[i]} |")
-        lines += [f"| {e} | | | | {NO_ROW} |" for e in absent]
+        lines += family_reading(rows, primary, family, read, absent, e1_margin)
     if out is not None:
-        def num(x: float | None) -> float | None:  # JSON has no NaN: a statistic without spread is null
-            return float(x) if x is not None and math.isfinite(x) else None
-
-        values = [{"endpoint": name, "labels": label, "primary": i in primary, "seeds": a.seeds,
-                   "values": a.values.tolist(), "without": {str(s): w for s, w in a.without.items()},
-                   "mean": num(a.mean), "lo": num(a.lo), "hi": num(a.hi), "sd": num(a.sd), "p_t": num(a.p_t),
-                   "p_sign_flip": num(a.p_flip), "p_holm_every_row": num(p),
-                   "p_holm_family": num(family.get(i) if math.isfinite(a.p_t) else None), "reading": read.get(i)}
-                  for i, ((name, label, a), p) in enumerate(zip(rows, adjusted, strict=True))]
-        values += [{"endpoint": e, "labels": None, "primary": True, "seeds": [], "values": [], "without": {},
-                    "reading": NO_ROW} for e in absent]
-        (out / "endpoints.json").write_text(json.dumps(values, indent=1, allow_nan=False) + "\n", encoding="utf-8")
-        named = ["endpoints.json: every row's per-seed values"]
-        if primary:
-            figure([rows[i] for i in primary], e1_margin).savefig(out / "endpoints.png", dpi=110)
-            named.append("endpoints.png: the primary family's per-seed values")
-        else:
-            (out / "endpoints.png").unlink(missing_ok=True)  # an earlier report's family is not this one's
-        lines += ["", f"Beside this report: {'; '.join(named)}."] + (["", "![endpoints.png](endpoints.png)"]
-                                                                        if primary else [])
+        lines += write_values(out, rows, adjusted, primary, family, read, absent, e1_margin)
     if dec is not None and len(labels) > 1:
-        lines += ["", f"E3's model{tag(False)}: P(clip) of a correct decision ~ rule × advantage, logistic GEE over "
-                  "every seed's decisions, seeds as clusters, bias-reduced sandwich; the term is the log odds ratio "
-                  "per unit of advantage of the first label against the reference.", "",
-                  "| rule | reference | rule × advantage [95 % CI] | p | decisions | seeds |",
-                  "|---|---|---|---|---|---|"]
-        for other in labels[1:]:
-            try:
-                fitted = clip_model({other: dec[other], labels[0]: dec[labels[0]]}, reference=other)
-            except ValueError as err:
-                lines.append(f"| {labels[0]} | {other} | not estimable: {err} | | | |")
-                continue
-            for r in fitted:
-                lines.append(f"| {r.rule} | {r.reference} | {r.estimate:+.3g} [{r.lo:+.3g}, {r.hi:+.3g}] | "
-                             f"{r.p:.3g} | {r.decisions} | {r.clusters} |")
+        lines += model_lines(dec, labels, control)
+    return lines
+
+
+def _tag(control: str | None, primary: bool, kind: str = "secondary") -> str:
+    """A row's name says secondary or exploratory when a control makes a primary family (the plan's wording)."""
+    return "" if control is None or primary else f" ({kind})"
+
+
+def endpoint_rows(groups: dict[str, dict[int, Path]], fixed_eps_hi: dict[str, float], control: str | None,
+                  dec: dict[str, dict[int, Decisions]] | None) -> list[Row]:
+    """E1 per label (with the control's P(clip) under each fixed bound), then E2 and E3 of the first label against
+    each other, paired by seed; E1 and E3 only where every run's rollouts were read (`dec`)."""
+    labels, rows = list(groups), []
+    if dec is not None:
+        why = {label: {s: why_none(d) for s, d in by_seed.items()} for label, by_seed in dec.items()}
+        for label in labels:
+            e1 = {s: premise(d, list(fixed_eps_hi.values())) for s, d in dec[label].items()}
+            rows.append((f"E1 log-ratio slope on (k-c)/k{_tag(control, label == control)}", label,
+                         across_seeds({s: v["log ratio"] for s, v in e1.items()}, why[label])))
+            if control is not None and label == control:  # the same ratios judged under each fixed bound
+                for eps_hi in dict.fromkeys(fixed_eps_hi.values()):  # two rules at one bound: one row
+                    key = f"P(clip) at 1 + {eps_hi:g}"  # the plan names the control's own bound; others: exploratory
+                    kind = "secondary" if eps_hi == fixed_eps_hi.get(control) else "exploratory"
+                    rows.append((f"E1 {key} slope{_tag(control, False, kind)}", label,
+                                 across_seeds({s: v[key] for s, v in e1.items()}, why[label])))
+    corr = {label: {seed: mean_is_adv_corr(path) for seed, path in runs.items()} for label, runs in groups.items()}
+    corr_why = {label: {s: "no step logged is_adv_corr" for s in by_seed} for label, by_seed in corr.items()}
+    first = labels[0]
+    for other in labels[1:]:
+        pair, main = f"{first} − {other}", other == control
+        rows.append((f"E2 mean is_adv_corr, Δ{_tag(control, main)}", pair, across_seeds(
+            paired(corr[first], corr[other]),
+            why_paired((first, other), (corr[first], corr[other]), (corr_why[first], corr_why[other])))))
+        if dec is not None:
+            for name, per_run, kind in (("E3 P(clip) slope on (k-c)/k under the run's rule, Δ", clip_slope,
+                                         _tag(control, main)),
+                                        ("E3 advantage-weighted clip share, Δ", weighted_clip_share,
+                                         _tag(control, False))):
+                value = {label: {s: per_run(d) for s, d in dec[label].items()} for label in (first, other)}
+                rows.append((f"{name}{kind}", pair, across_seeds(
+                    paired(value[first], value[other]),
+                    why_paired((first, other), (value[first], value[other]), (why[first], why[other])))))
+    return rows
+
+
+def primary_family(rows: list[Row], first: str, control: str | None) -> tuple[list[int], dict[int, float], str]:
+    """The plan's primary rows (the control's E1, the first label's E2 and E3 slope against it), their Holm p over
+    those three, and a note when the family is incomplete."""
+    primary = [i for i, (name, label, _) in enumerate(rows) if control is not None and (
+        (name.startswith("E1 log-ratio") and label == control) or
+        (name.startswith(("E2", "E3 P(clip)")) and label == f"{first} − {control}"))]
+    if control is None:
+        return primary, {}, ""
+    # Holm over the plan's three. A primary row missing (no runs, no rollouts) or without a p counts as p = 1, which
+    # keeps the family-wise level (conservative), and reads "not estimable"; the others are still read.
+    ps = [rows[i][2].p_t if math.isfinite(rows[i][2].p_t) else 1.0 for i in primary]
+    family = dict(zip(primary, holm(ps + [1.0] * (3 - len(primary)))[:len(primary)], strict=True))
+    found = {rows[i][0].split()[0] for i in primary if math.isfinite(rows[i][2].p_t)}
+    if found == set(PREDICTED):
+        return primary, family, ""
+    missing = ", ".join(sorted(set(PREDICTED) - found))
+    return primary, family, (f"The plan's primary family is incomplete here ({missing} without runs or without a p): "
+                             "counted as p = 1 in Holm (conservative), read as not estimable, or in words where its "
+                             "seeds show no spread.")
+
+
+def family_reading(rows: list[Row], primary: list[int], family: dict[int, float], read: dict[int, str],
+                   absent: list[str], e1_margin: float | None) -> list[str]:
+    """The primary family in a table of its own, each row read by the plan's rules."""
+    margin = (f"E1's margin, the first label's bound gradient per unit of advantage, to the two digits the plan "
+              f"writes: {e1_margin:.4g}" if e1_margin
+              else "E1's margin: none (the first label's bound does not grow with the advantage), so E1 counts "
+                   "against only on the other side of zero")
+    lines = ["", "### The primary family, read by the plan's rules", "", f"{margin}.", "",
+             "| endpoint | label(s) | mean [95 % CI] | p (Holm, the family) | reading |", "|---|---|---|---|---|"]
+    for i in primary:
+        name, label, a = rows[i]
+        p = family[i] if math.isfinite(a.p_t) else float("nan")
+        lines.append(f"| {name} | {label} | {a.mean:+.4g} [{a.lo:+.4g}, {a.hi:+.4g}] | {p:.3g} | {read[i]} |")
+    return lines + [f"| {e} | | | | {NO_ROW} |" for e in absent]
+
+
+def write_values(out: Path, rows: list[Row], adjusted: list[float], primary: list[int], family: dict[int, float],
+                 read: dict[int, str], absent: list[str], e1_margin: float | None) -> list[str]:
+    """endpoints.json (every row's per-seed values) and, with a primary family, endpoints.png into `out`; the
+    report's lines that name them."""
+    def num(x: float | None) -> float | None:  # JSON has no NaN: a statistic without spread is null
+        return float(x) if x is not None and math.isfinite(x) else None
+
+    values = [{"endpoint": name, "labels": label, "primary": i in primary, "seeds": a.seeds,
+               "values": a.values.tolist(), "without": {str(s): w for s, w in a.without.items()},
+               "mean": num(a.mean), "lo": num(a.lo), "hi": num(a.hi), "sd": num(a.sd), "p_t": num(a.p_t),
+               "p_sign_flip": num(a.p_flip), "p_holm_every_row": num(p),
+               "p_holm_family": num(family.get(i) if math.isfinite(a.p_t) else None), "reading": read.get(i)}
+              for i, ((name, label, a), p) in enumerate(zip(rows, adjusted, strict=True))]
+    values += [{"endpoint": e, "labels": None, "primary": True, "seeds": [], "values": [], "without": {},
+                "reading": NO_ROW} for e in absent]
+    (out / "endpoints.json").write_text(json.dumps(values, indent=1, allow_nan=False) + "\n", encoding="utf-8")
+    named = ["endpoints.json: every row's per-seed values"]
+    if primary:
+        figure([rows[i] for i in primary], e1_margin).savefig(out / "endpoints.png", dpi=110)
+        named.append("endpoints.png: the primary family's per-seed values")
+    else:
+        (out / "endpoints.png").unlink(missing_ok=True)  # an earlier report's family is not this one's
+    return ["", f"Beside this report: {'; '.join(named)}."] + (["", "![endpoints.png](endpoints.png)"]
+                                                                if primary else [])
+
+
+def model_lines(dec: dict[str, dict[int, Decisions]], labels: list[str], control: str | None) -> list[str]:
+    """E3's logistic GEE of each other label against the first, as table rows."""
+    lines = ["", f"E3's model{_tag(control, False)}: P(clip) of a correct decision ~ rule × advantage, logistic GEE "
+             "over every seed's decisions, seeds as clusters, bias-reduced sandwich; the term is the log odds ratio "
+             "per unit of advantage of the first label against the reference.", "",
+             "| rule | reference | rule × advantage [95 % CI] | p | decisions | seeds |",
+             "|---|---|---|---|---|---|"]
+    for other in labels[1:]:
+        try:
+            fitted = clip_model({other: dec[other], labels[0]: dec[labels[0]]}, reference=other)
+        except ValueError as err:
+            lines.append(f"| {labels[0]} | {other} | not estimable: {err} | | | |")
+            continue
+        for r in fitted:
+            lines.append(f"| {r.rule} | {r.reference} | {r.estimate:+.3g} [{r.lo:+.3g}, {r.hi:+.3g}] | "
+                         f"{r.p:.3g} | {r.decisions} | {r.clusters} |")
     return lines
 
 
