@@ -95,6 +95,21 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be written (a full disk): the previous ones are intact, the partial one removed."""
 
 
+def _write_export(tmp: Path, actor, tokenizer, cfg: Config, state: TrainerState, state_dict: dict) -> str | None:
+    """Rank 0's part of a checkpoint: the Hugging Face export, trainer.json, config.yaml, then the manifest of every
+    file's size and checksum (written last, atomically: a checkpoint without one is incomplete). A write error's
+    message, or None."""
+    try:
+        actor.module.save_pretrained(tmp / "hf", state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(tmp / "hf")
+        (tmp / rundir.STATE).write_text(json.dumps({**asdict(state), "manifested": True}, indent=1))
+        (tmp / rundir.CONFIG).write_text(dump_config(cfg))
+        _fsync_tree(tmp)
+        _write_atomic(tmp / rundir.MANIFEST, json.dumps(manifest(tmp), indent=1))
+    except WRITE_ERRORS as err:
+        return f"rank 0: {err}"
+    return None
+
 def save(actor, tokenizer, cfg: Config, state: TrainerState, run_dir: Path, in_flight: dict | None = None) -> Path:
     """Collective: every rank calls it. Returns the checkpoint directory. `state.weights_only`: hf/, trainer.json and
     config.yaml only (trainer.save_only_model).
@@ -130,17 +145,9 @@ def save(actor, tokenizer, cfg: Config, state: TrainerState, run_dir: Path, in_f
                 torch.save(in_flight, tmp / in_flight_name(rank))
     except WRITE_ERRORS as err:
         failure = f"rank {rank}: {err}"
-    state_dict = _export_state_dict(actor, rank)
+    state_dict = _export_state_dict(actor, rank)  # (collective)
     if rank == 0 and failure is None:
-        try:
-            actor.module.save_pretrained(tmp / "hf", state_dict=state_dict, safe_serialization=True)
-            tokenizer.save_pretrained(tmp / "hf")
-            (tmp / rundir.STATE).write_text(json.dumps({**asdict(state), "manifested": True}, indent=1))
-            (tmp / rundir.CONFIG).write_text(dump_config(cfg))
-            _fsync_tree(tmp)
-            _write_atomic(tmp / rundir.MANIFEST, json.dumps(manifest(tmp), indent=1))
-        except WRITE_ERRORS as err:
-            failure = f"rank 0: {err}"
+        failure = _write_export(tmp, actor, tokenizer, cfg, state, state_dict)
     failures = [f for f in gather(failure) if f]
     if failures:
         _abandon(tmp, rank)
