@@ -41,7 +41,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import _util
@@ -262,7 +262,9 @@ class Ended:
     killed_root: bool = False  # the fault was SIGKILL to this command's own process: its exit is -9 by definition
 
 
-def run_one(cmd: list[str], tag: str, limit_s: float, trial: Trial | None, rng: random.Random) -> Ended:
+def run_one(cmd: list[str], tag: str, limit_s: float, trial: Trial | None, rng: random.Random,
+            offset: float = 0.0) -> Ended:
+    """`cmd` to its end, watched; `trial`'s fault sent at its moment (`offset`: the scenario's seconds before `cmd`)."""
     env = {**os.environ, "GAPO_FAULT_TRIAL": tag, "OMP_WAIT_POLICY": "PASSIVE", "WANDB_SILENT": "true"}
     env.pop("GAPO_PARENT_PID", None)  # started as a person starts it
     start = time.monotonic()
@@ -273,7 +275,7 @@ def run_one(cmd: list[str], tag: str, limit_s: float, trial: Trial | None, rng: 
     err: list[str] = []
     reader = threading.Thread(target=lambda: err.append(root.stderr.read()), daemon=True)
     reader.start()
-    fault, target = _inject(watch, trial, start, rng) if trial else ("", None)
+    fault, target = _inject(watch, trial, start - offset, rng) if trial else ("", None)
     try:
         code = root.wait(timeout=max(1.0, limit_s - (time.monotonic() - start)))
     except subprocess.TimeoutExpired:
@@ -295,7 +297,7 @@ def run_one(cmd: list[str], tag: str, limit_s: float, trial: Trial | None, rng: 
 def _inject(watch: Watch, trial: Trial, start: float, rng: random.Random) -> tuple[str, int | None]:
     """At trial.at_s, or as soon after as the role's process exists, the signal to one of them (chosen by `rng`):
     what was done, and to which pid."""
-    while time.monotonic() - start < trial.at_s and watch.root.poll() is None:
+    while time.monotonic() - start < trial.at_s and watch.root.poll() is None:  # (start: the scenario's)
         time.sleep(0.05)
     while watch.root.poll() is None:
         targets = sorted(watch.of_role(trial.role))
@@ -353,8 +355,8 @@ def trial_run(trial: Trial, refs: dict, base: Path, index: int, rng: random.Rand
     cmds = commands(trial.scenario, work)
     took = 0.0
     for i, cmd in enumerate(cmds):  # the moment counts from the scenario's start, over its commands
-        pending = None if any(e.fault for e in ended) else replace(trial, at_s=max(0.0, trial.at_s - took))
-        e = run_one(cmd, f"{base.name}-{index}-{i}", limit, pending, rng)
+        pending = None if any(e.fault for e in ended) else trial
+        e = run_one(cmd, f"{base.name}-{index}-{i}", limit, pending, rng, offset=took)
         ended.append(e)
         took += e.seconds
         if e.code not in (0, None) and (again := recovery(trial.scenario, cmd)) is not None:
