@@ -193,6 +193,8 @@ class Watch:
     now: dict[int, str] = field(default_factory=dict)  # the latest poll: pid -> command line
     parents: dict[int, int] = field(default_factory=dict)
     done: threading.Event = field(default_factory=threading.Event)
+    lives: dict[str, tuple[float, float]] = field(default_factory=dict)  # role -> (first, last) seen, s from start
+    start: float = field(default_factory=time.monotonic)
 
     def poll(self) -> None:
         table = {pid: f for pid, f in processes()}
@@ -213,6 +215,10 @@ class Watch:
                 self.seen.setdefault(pid, (table[pid][19], cmd))
                 self.parents[pid] = int(table[pid][1])
         self.now = now
+        at = time.monotonic() - self.start
+        for role in ROLES:
+            if self.of_role(role):
+                self.lives[role] = (self.lives.get(role, (at, at))[0], at)
 
     def run(self) -> None:
         while not self.done.is_set():
@@ -260,6 +266,7 @@ class Ended:
     leaked: list[str]
     fault: str  # what was done, or "" when the role's process never appeared
     killed_root: bool = False  # the fault was SIGKILL to this command's own process: its exit is -9 by definition
+    lives: dict[str, tuple[float, float]] = field(default_factory=dict)  # role -> (first, last) seen, s from start
 
 
 def run_one(cmd: list[str], tag: str, limit_s: float, trial: Trial | None, rng: random.Random,
@@ -269,7 +276,7 @@ def run_one(cmd: list[str], tag: str, limit_s: float, trial: Trial | None, rng: 
     env.pop("GAPO_PARENT_PID", None)  # started as a person starts it
     start = time.monotonic()
     root = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    watch = Watch(root, tag)
+    watch = Watch(root, tag, start=start)
     poller = threading.Thread(target=watch.run, daemon=True)
     poller.start()
     err: list[str] = []
@@ -291,7 +298,8 @@ def run_one(cmd: list[str], tag: str, limit_s: float, trial: Trial | None, rng: 
     leaked = watch.alive()
     for line in leaked:  # leave the machine as it was
         _signal(int(line.split()[0]), signal.SIGKILL)
-    return Ended(code, "".join(err), took, leaked, fault, target == root.pid and trial.signal == "SIGKILL")
+    return Ended(code, "".join(err), took, leaked, fault, target == root.pid and trial.signal == "SIGKILL",
+                 watch.lives)
 
 
 def _inject(watch: Watch, trial: Trial, start: float, rng: random.Random) -> tuple[str, int | None]:
@@ -373,20 +381,24 @@ def trial_run(trial: Trial, refs: dict, base: Path, index: int, rng: random.Rand
 def reference(scenario: str, base: Path) -> dict:
     work = base / f"reference-{scenario}"
     work.mkdir(parents=True)
-    took = 0.0
+    took, lives = 0.0, {}
     for i, cmd in enumerate(commands(scenario, work)):
         e = run_one(cmd, f"{base.name}-ref-{scenario}-{i}", 1800, None, random.Random(0))
         if e.code != 0 or e.leaked:
             raise SystemExit(f"the uninterrupted {scenario} run failed (exit {e.code}; left {e.leaked}): "
                              f"{shlex.join(cmd)}\n{e.stderr[-2000:]}")
+        lives.update({role: (a + took, b + took) for role, (a, b) in e.lives.items() if role not in lives})
         took += e.seconds
-    return {"outcome": outcome(scenario, work), "seconds": took}
+    return {"outcome": outcome(scenario, work), "seconds": took, "lives": lives}
 
 
-def draw(rng: random.Random, refs_seconds: dict[str, float]) -> Trial:
-    scenario = rng.choice(sorted(refs_seconds))
-    return Trial(scenario, rng.choice(SCENARIOS[scenario]), rng.choice(SIGNALS),
-                 round(rng.uniform(0.05, 0.9) * refs_seconds[scenario], 1))
+def draw(rng: random.Random, refs: dict[str, dict]) -> Trial:
+    """A scenario, a role, a signal, and a moment while the reference run had that role's process (so that few
+    trials miss; a process that lives 0.1 s may still be missed)."""
+    scenario = rng.choice(sorted(refs))
+    role = rng.choice(SCENARIOS[scenario])
+    first, last = refs[scenario]["lives"].get(role, (0.0, 0.9 * refs[scenario]["seconds"]))
+    return Trial(scenario, role, rng.choice(SIGNALS), round(rng.uniform(first, first + 0.9 * (last - first)), 1))
 
 
 def slurm_answers() -> bool:
@@ -412,7 +424,7 @@ def main() -> int:
         print(f"reference {s}: {refs[s]['seconds']:.0f} s", flush=True)
     print("slurm: SKIP (no SLURM controller answers `sinfo`)" if not slurm_answers() else
           "slurm: SKIP (its chain is tests/test_cluster.py's; not drawn here)", flush=True)
-    trials = args.trial or [draw(rng, {s: r["seconds"] for s, r in refs.items()}) for _ in range(args.trials)]
+    trials = args.trial or [draw(rng, refs) for _ in range(args.trials)]
     rows, counts = [], {}
     for i, t in enumerate(trials, 1):
         kind, why, fault, took = trial_run(t, refs, base, i, rng)
