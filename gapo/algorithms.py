@@ -3,11 +3,11 @@
 An algorithm is a row of PRESETS: how a group's rewards become advantages (`group_advantages`: mean-centred, divided
 by the group's std or not, focal shaping), the importance ratio's level (token or sequence), the clip rule that sets
 each rollout's bounds (gapo/clip.py: fixed, GAPO's adaptive eq. 8, CISPO's weight bounds), the surrogate that turns
-ratio and advantage into a per-token loss (SURROGATES), and how token losses are averaged over the step
-(AGGREGATIONS). The loss (gapo/trainer/losses.py) computes the ratio, asks the rule for the bounds, and applies the
-row's surrogate and aggregation; nothing there names an algorithm. A new surrogate or aggregation is one function
-here, or one `register_surrogate` / `register_aggregation` call in a config's plugin (tests/test_algorithms.py trains
-a toy one).
+ratio and advantage into a per-token loss (SURROGATES; by default the one its clip rule's bounds are for), and how
+token losses are averaged over the step (AGGREGATIONS). The loss (gapo/trainer/losses.py) computes the ratio, asks the
+rule for the bounds, and applies the row's surrogate and aggregation; nothing there names an algorithm. A new
+surrogate or aggregation is one function here, or one `register_surrogate` / `register_aggregation` call in a
+config's plugin (tests/test_algorithms.py trains a toy one).
 
 Notation (the GAPO paper, §3): a group of k rollouts of one prompt, c of them correct, advantage A_i, ratio rho (per
 token; per sequence s_i, GSPO's), bounds 1 - eps_lo and 1 + eps_hi(c). Shapes: B rollouts, T padded response length.
@@ -154,38 +154,42 @@ def group_advantages(rewards: Tensor, group_sizes: list[int] | Tensor, *, std_no
 # A row fixes the method and the *shape* of its clip range: "sym" (1 - eps_lo, 1 + eps_lo), "asym" (1 - eps_lo,
 # 1 + eps_hi) or "adaptive" (eps_hi(c) from eps_lo to eps_hi_max, eq. 8). The widths belong to the model, not to the
 # method (the paper uses 3e-3/5e-3 for Qwen's sequence IS, 7e-5/3e-4 for R1-Distill, 0.2/0.28 for token IS
-# everywhere), so they come from `algorithm.clip_widths[is_level]` of the config.
+# everywhere), so they come from `algorithm.clip_widths[is_level]` of the config. The surrogate is the clip rule's
+# (gapo.clip: eq. 11's ppo for the fixed and adaptive rules, cispo for CISPO's) unless algorithm.surrogate names one.
 # --------------------------------------------------------------------------------------------------
-_PPO = dict(surrogate="ppo", focal_gamma=0.0)
 PRESETS: dict[str, dict[str, Any]] = {
     # GRPO (Shao et al. 2024): token IS, symmetric clip, std-normalised advantages.
-    "grpo": dict(_PPO, is_level="token", clip="fixed", shape="sym", std_normalize=True, loss_agg="token_mean"),
+    "grpo": dict(is_level="token", clip="fixed", shape="sym", std_normalize=True, focal_gamma=0.0,
+                 loss_agg="token_mean"),
     # Dr.GRPO (Liu et al. 2025): no std, constant normaliser; the paper's Table 3 row uses 0.2/0.28. Inferred: the
     # constant (algorithm.loss_constant) defaults to rollout.max_new_tokens, as Dr.GRPO's own recipe divides by the
     # generation budget; the GAPO paper does not state it.
-    "dr_grpo": dict(_PPO, is_level="token", clip="fixed", shape="asym", std_normalize=False,
+    "dr_grpo": dict(is_level="token", clip="fixed", shape="asym", std_normalize=False, focal_gamma=0.0,
                     loss_agg="seq_sum_constant"),
     # DAPO (Yu et al. 2025): clip-higher 0.2/0.28, token-mean over the batch.
-    "dapo": dict(_PPO, is_level="token", clip="fixed", shape="asym", std_normalize=False, loss_agg="token_mean"),
+    "dapo": dict(is_level="token", clip="fixed", shape="asym", std_normalize=False, focal_gamma=0.0,
+                 loss_agg="token_mean"),
     # GSPO (Zheng et al. 2025): sequence IS, symmetric; `algorithm.eps_hi=5e-3` gives the asymmetric run.
-    "gspo": dict(_PPO, is_level="sequence", clip="fixed", shape="sym", std_normalize=False, loss_agg="token_mean"),
+    "gspo": dict(is_level="sequence", clip="fixed", shape="sym", std_normalize=False, focal_gamma=0.0,
+                 loss_agg="token_mean"),
     # F-GRPO / F-GSPO (Plyusov et al. 2026): focal advantage shaping (1 - c/k)^gamma on top. gamma = 1.0 is ours
     # (inferred): the GAPO paper says only gamma >= 0, and we could not read F-GRPO's own value from here.
-    "f_grpo": dict(_PPO, is_level="token", clip="fixed", shape="sym", std_normalize=True, focal_gamma=1.0,
+    "f_grpo": dict(is_level="token", clip="fixed", shape="sym", std_normalize=True, focal_gamma=1.0,
                    loss_agg="token_mean"),
-    "f_gspo": dict(_PPO, is_level="sequence", clip="fixed", shape="asym", std_normalize=False, focal_gamma=1.0,
+    "f_gspo": dict(is_level="sequence", clip="fixed", shape="asym", std_normalize=False, focal_gamma=1.0,
                    loss_agg="token_mean"),
     # GAPO (this paper, eq. 8 + 11): sequence IS, adaptive upper bound from eps_lo to eps_hi_max.
-    "gapo": dict(_PPO, is_level="sequence", clip="adaptive", shape="adaptive", std_normalize=False,
+    "gapo": dict(is_level="sequence", clip="adaptive", shape="adaptive", std_normalize=False, focal_gamma=0.0,
                  loss_agg="token_mean"),
-    "gapo_token": dict(_PPO, is_level="token", clip="adaptive", shape="adaptive", std_normalize=False,
+    "gapo_token": dict(is_level="token", clip="adaptive", shape="adaptive", std_normalize=False, focal_gamma=0.0,
                        loss_agg="token_mean"),
-    # CISPO (MiniMax-M1, Chen et al. 2025a): its own surrogate, the IS *weight* clipped and detached. Convention
-    # chosen here: weight = sg(clip(rho, 1 - eps_lo, 1 + eps_hi)) with eps_lo = 1.0 (lower bound 0, i.e. no lower
-    # clip, as MiniMax-M1) and eps_hi = 4.0 (ScaleRL's eps_max). MiniMax-M1 tunes only the upper bound and does not
-    # publish it; TRL and ScaleRL differ. These are weight bounds, not clip widths, so clip_widths does not apply.
-    "cispo": dict(surrogate="cispo", is_level="token", clip="cispo", eps_lo=1.0, eps_hi=4.0, std_normalize=False,
-                  focal_gamma=0.0, loss_agg="token_mean"),
+    # CISPO (MiniMax-M1, Chen et al. 2025a): its own surrogate (its rule's: cispo), the IS *weight* clipped and
+    # detached. Convention chosen here: weight = sg(clip(rho, 1 - eps_lo, 1 + eps_hi)) with eps_lo = 1.0 (lower bound
+    # 0, i.e. no lower clip, as MiniMax-M1) and eps_hi = 4.0 (ScaleRL's eps_max). MiniMax-M1 tunes only the upper
+    # bound and does not publish it; TRL and ScaleRL differ. These are weight bounds, not clip widths, so clip_widths
+    # does not apply.
+    "cispo": dict(is_level="token", clip="cispo", eps_lo=1.0, eps_hi=4.0, std_normalize=False, focal_gamma=0.0,
+                  loss_agg="token_mean"),
 }
 
 # The paper's widths (eps_lo, eps_hi_max) per IS level for Qwen2.5-Math-1.5B and Llama-3.2-3B (§4.1).

@@ -147,11 +147,16 @@ def _launch(argv: list[str], cfg, nproc: int) -> int:
         signal.signal(sig, lambda signum, frame: child.send_signal(signum))
     try:
         code = child.wait()
-    except KeyboardInterrupt:  # the terminal sent SIGINT to gapo.launch too: it stops the ranks
+    except KeyboardInterrupt:  # Ctrl-C (gapo.launch had it too, from the terminal) or a SIGINT to this process alone
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the ranks' way out short
+        if child.poll() is None:
+            child.send_signal(signal.SIGINT)
         child.wait()
-        return _stopped(cfg, "interrupted (Ctrl-C)", Exit.INTERRUPTED)
+        code = Exit.INTERRUPTED
     if code in (Exit.OK, *EXPLAINED, Exit.PREEMPTED):
         return code
+    if code == Exit.INTERRUPTED:
+        return _stopped(cfg, "interrupted (Ctrl-C)", Exit.INTERRUPTED)
     return _stopped(cfg, f"stopped (exit {code})", Exit.FAILED)  # a rank died without a message
 
 

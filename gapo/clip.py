@@ -29,6 +29,7 @@ class ClipRule:
 
     name: str = "fixed"
     upper_field: str = "eps_hi"  # the algorithm field holding the rule's (widest) upper width
+    surrogate: str = "ppo"  # the surrogate its bounds are for (gapo.algorithms.SURROGATES), unless algorithm.surrogate
     constant: bool = True  # the upper width is the same for every c
     tag: str = ""  # after the upper width in a table's clip range: "5e-3 adaptive" (a fixed rule's needs none)
 
@@ -75,6 +76,7 @@ class CispoRule(ClipRule):
     gapo.algorithms.cispo, detaches it); eps_lo = 1 allowed, no lower clip."""
 
     name: str = "cispo"
+    surrogate: str = "cispo"
     tag: str = " cispo"
 
     def check(self, algo: Any) -> None:

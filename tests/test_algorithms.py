@@ -62,6 +62,18 @@ def test_a_taken_name_is_refused():
         resolve({"algorithm": {"name": "gapo", "surrogate": "nope"}})
 
 
+def test_the_surrogate_follows_the_clip_rule_unless_named():
+    """CISPO's bounds are for CISPO's loss: a config that picks clip=cispo on another preset trains CISPO (as when
+    the rule switched the formula), and algorithm.surrogate overrides either way."""
+    def algo(**a):
+        return resolve({"algorithm": a}).algorithm
+
+    assert algo(name="dapo", clip="cispo", eps_lo=1.0, eps_hi=4.0).surrogate == "cispo"
+    assert algo(name="cispo").surrogate == "cispo" and algo(name="gapo").surrogate == "ppo"
+    assert algo(name="cispo", surrogate="ppo").surrogate == "ppo"
+    assert algo(name="cispo").bounds_the_weight and not algo(name="dapo").bounds_the_weight
+
+
 TOY = '''from gapo.algorithms import Surrogate, register_surrogate
 
 

@@ -163,6 +163,19 @@ def namespaces_available() -> bool:
     return probe.returncode == 0
 
 
+@functools.cache
+def pdeathsig_wrapper() -> str | None:
+    """setpriv, where it takes --pdeathsig (util-linux 2.33 and later; probed once per process): the sandbox then dies
+    with its rank. Older systems run the sandbox without it (its own limits still end it)."""
+    exe = shutil.which("setpriv")
+    if exe is None or subprocess.run([exe, "--pdeathsig", "KILL", "--", "true"], capture_output=True,
+                                     timeout=30, check=False).returncode != 0:
+        logger.warning("sandbox: no setpriv with --pdeathsig (util-linux >= 2.33): a sandbox outlives a killed rank "
+                       "until its own limits end it")
+        return None
+    return exe
+
+
 _warned_unisolated = False
 
 
@@ -241,8 +254,8 @@ def _supervise(job_file, workdir: str | None, isolated: bool, n_cases: int, limi
     argv = ["/bin/sh", "-c", 'trap "" TERM USR1; exec "$@"', "sh", *argv]
     # And it dies with the rank, however the rank dies: setpriv sets the parent-death signal and execs (unshare's
     # --kill-child and its PID namespace then take the harness and the program along).
-    if shutil.which("setpriv"):
-        argv[4:4] = [shutil.which("setpriv"), "--pdeathsig", "KILL", "--"]
+    if (setpriv := pdeathsig_wrapper()) is not None:
+        argv[4:4] = [setpriv, "--pdeathsig", "KILL", "--"]
     proc = subprocess.Popen(
         argv,
         stdin=job_file,

@@ -38,6 +38,7 @@ from gapo import rundir
 from gapo.configfile import OVERRIDE, load_config
 from gapo.errors import ConfigError, Exit
 from gapo.proc import die_with_parent
+from gapo.reward.types import signal_name
 from gapo.study import slurm
 from gapo.study.budget import budget, disk_shortfall
 from gapo.study.manifest import (
@@ -130,10 +131,25 @@ def run_local(m: Manifest, js: list[Job], nproc: int) -> int:
 
 def run(cmd: list[str], what: str) -> int:
     """A gapo command of the sweep, to its end: its exit code, one of gapo.errors.Exit's (a command killed by a
-    signal is FAILED, said here: the sweep's own exit stays one a requeue script knows)."""
-    code = subprocess.call(local_command(cmd))
+    signal is FAILED, said here: the sweep's own exit stays one a requeue script knows). A preemption's signal
+    (SIGTERM, SIGUSR1) is the command's: the sweep hands it on and waits, so that the run saves and exits PREEMPTED
+    (its processes die with the sweep, so the sweep must not die first); Ctrl-C reached the command too (one
+    process group): the sweep waits for it."""
+    child = subprocess.Popen(local_command(cmd))
+    before = {sig: signal.signal(sig, lambda signum, frame: child.send_signal(signum))
+              for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        while True:
+            try:
+                code = child.wait()
+                break
+            except KeyboardInterrupt:
+                continue
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
     if code < 0:
-        print(f"gapo-sweep: {what}: killed by {signal.Signals(-code).name}", file=sys.stderr, flush=True)
+        print(f"gapo-sweep: {what}: killed by {signal_name(-code)}", file=sys.stderr, flush=True)
         return Exit.FAILED
     return code
 
