@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,8 +32,16 @@ def processes() -> Iterator[tuple[int, list[str]]]:
 
 # The pid of the gapo process that started this one, set by each gapo process for the children it starts (and
 # inherited by the children that vLLM, torchrun or multiprocessing start on its behalf, whose parent it also is).
+# The gapo process that started this one, as `me()` names it, set by each gapo process for the children it starts (and
+# inherited by the children that vLLM, torchrun or multiprocessing start on its behalf, whose parent it also is).
 PARENT = "GAPO_PARENT_PID"
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def me() -> str:
+    """This process as PARENT names it: host, pid and start time (a pid alone may be reused, or another machine's when
+    an environment travels with a job)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{stat_fields()[19]}"
 
 
 def die_with_parent() -> None:
@@ -45,15 +54,18 @@ def die_with_parent() -> None:
     signal (prctl PR_SET_PDEATHSIG) is the kernel's own notice; it is set here, in the child, because torchrun and
     multiprocessing start processes gapo does not spawn itself; the gapo process above is looked for in case it died
     before the signal was set (a wrapper between the two, `srun` or `timeout`, is the parent the signal watches). A
-    process started by a person (no PARENT in its environment) keeps its own
-    life; it only tells its children. Called by every entry point, and when gapo is imported in a process a gapo
-    process started (gapo/__init__.py): a rank is tied to torchrun before its seconds of imports, not after."""
-    parent = os.environ.get(PARENT)
-    if parent == str(os.getpid()):  # done already (on importing gapo; the entry point asks again)
+    process started by a person (no PARENT in its environment, or another machine's) keeps its own life; it only
+    tells its children. Called by every entry point, and when gapo is imported in a process a gapo process started
+    (gapo/__init__.py): a rank is tied to torchrun before its seconds of imports, not after."""
+    parent, mine = os.environ.get(PARENT, ""), me()
+    if parent == mine:  # done already (on importing gapo; the entry point asks again)
         return
-    if parent and sys.platform == "linux":
+    host, _, rest = parent.partition(":")
+    pid, _, start = rest.partition(":")
+    if host == socket.gethostname() and pid.isdigit() and sys.platform == "linux":
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        above = stat_fields(parent)
-        if os.getppid() != int(parent) and (above is None or above[0] in "ZX"):  # it died before the line above
+        above = stat_fields(pid)
+        gone = above is None or above[0] in "ZX" or above[19] != start
+        if os.getppid() != int(pid) and gone:  # it died before the line above: no signal will come
             os.kill(os.getpid(), signal.SIGKILL)
-    os.environ[PARENT] = str(os.getpid())
+    os.environ[PARENT] = mine

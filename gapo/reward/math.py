@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gapo.proc import PARENT
+from gapo.proc import PARENT, me
 from gapo.reward.math_answer import MathGold, as_boxed_latex, extract_answer, normalize_gold, with_last_number
 from gapo.reward.types import (
     FLAG_GOLD_TEXT_ONLY,
@@ -188,7 +188,7 @@ class _Worker:
         package_root = str(Path(__file__).resolve().parents[2])
         env = dict(os.environ)
         env["PYTHONPATH"] = package_root + os.pathsep + env.get("PYTHONPATH", "")
-        env[PARENT] = str(os.getpid())  # importing gapo ties the worker to this process (gapo.proc.die_with_parent)
+        env[PARENT] = me()  # importing gapo ties the worker to this process (gapo.proc.die_with_parent)
         # SLURM signals every process of a job at a preemption (SIGTERM) and ahead of its time limit (SIGUSR1): the
         # rank then finishes its step and saves it, so a worker killed mid-item would turn a `wrong` into an `error`
         # and the saved step would differ from the uninterrupted run's (seen in the cluster tier). Ignored from the
