@@ -162,6 +162,9 @@ def _launch(argv: list[str], cfg, nproc: int) -> int:
 
 def _train_here(cfg, verbose: bool) -> int:
     """Train in this process: a single rank, or one of gapo.launch's ranks."""
+    from gapo.trainer import preempt
+
+    preempt.install()  # SIGTERM / SIGUSR1 during the imports below: kept for the first safe point, not a death
     # OpenMP threads spin-wait by default, which slows vLLM's CPU generation ~6x when two runtimes share cores.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     share_cores(1)  # a single rank: every core (under gapo.launch each rank's share is set already)
@@ -171,7 +174,6 @@ def _train_here(cfg, verbose: bool) -> int:
     from gapo.reward.registry import RewardsFailed
     from gapo.reward.types import RewarderUnavailable
     from gapo.rollout.transport import PeerGone
-    from gapo.trainer import preempt
     from gapo.trainer.checkpoint import CheckpointError
     from gapo.trainer.loop import TrainingDiverged, train
     from gapo.trainer.preempt import Preempted

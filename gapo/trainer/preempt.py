@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
 from gapo.distributed import agree
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch loads with the run, not with the handlers (installed before the imports: see install)
+    import torch
+
     from gapo.data import Sampler
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -36,7 +36,8 @@ class Preempted(Exception):
 
 
 def install() -> None:
-    """Handlers for SIGTERM and SIGUSR1 in this (rank) process."""
+    """Handlers for SIGTERM and SIGUSR1 in this (rank) process: gapo-train installs them before its seconds of
+    imports, so that a preemption during start-up is kept for the first safe point instead of killing the process."""
     for sig in SIGNALS:
         signal.signal(sig, _handler)
 
