@@ -334,6 +334,20 @@ def test_a_harness_stopped_by_sigint_is_one_line_on_the_console(patient: CodeRun
     assert_nothing_left_behind()
 
 
+def test_a_harness_killed_from_outside_is_a_host_fault(patient: CodeRunner) -> None:
+    """The sandbox itself killed by the host (its harness, here; its unshare alike) is no verdict on the program: an
+    error flagged host_fault (the fault campaign found it flagged only when the program itself was killed)."""
+    def kill_the_harness() -> None:
+        os.kill(int(stat_fields(_when_the_program_runs())[1]), signal.SIGKILL)  # the program's parent
+
+    killer = threading.Thread(target=kill_the_harness)
+    killer.start()
+    [result] = patient.score(["```python\nimport time\ntime.sleep(60)\n```"], {"inputs": [""], "outputs": ["4"]})
+    killer.join()
+    assert result.status == "error" and FLAG_HOST_FAULT in result.flags, result
+    assert_nothing_left_behind()
+
+
 @pytest.mark.parametrize(
     "program",
     [

@@ -403,7 +403,8 @@ class CodeRunner(Rewarder):
             return RewardResult.of(status, f"test {index + 1}/{len(suite.cases)}: {reason}", flags)
         if run.error is not None or len(run.outcomes) != len(suite.cases):
             logger.warning("code reward sandbox error (%s) for program %r", run.error, program[:_SHOWN_CHARS])
-            return RewardResult.of("error", f"sandbox failure: {run.error}", flags)
+            return RewardResult.of("error", f"sandbox failure: {run.error}",
+                                   (*flags, FLAG_HOST_FAULT) if run.host_fault else flags)
         return RewardResult.of("correct", f"passed {len(suite.cases)}/{len(suite.cases)} tests", flags)
 
     def _limits_for(self, suite: TestSuite) -> Limits:

@@ -145,6 +145,7 @@ class SandboxRun:
     isolated: bool
     error: str | None
     wall_s: float
+    host_fault: bool = False  # the error is the sandbox's death by a signal the supervisor did not send (a host kill)
 
 
 @functools.cache
@@ -229,11 +230,11 @@ def run_program(
         with tempfile.TemporaryFile() as job_file:
             job_file.write(json.dumps(job).encode("utf-8", "surrogateescape"))
             job_file.seek(0)
-            outcomes, error = _supervise(job_file, workdir, isolated, len(cases), limits, stop_after)
+            outcomes, error, killed = _supervise(job_file, workdir, isolated, len(cases), limits, stop_after)
     finally:
         if workdir is not None:
             shutil.rmtree(workdir, ignore_errors=False)
-    return SandboxRun(tuple(outcomes), isolated, error, time.monotonic() - start)
+    return SandboxRun(tuple(outcomes), isolated, error, time.monotonic() - start, killed)
 
 
 def _host_workdir(root: bool) -> str:
@@ -244,7 +245,8 @@ def _host_workdir(root: bool) -> str:
 
 
 def _supervise(job_file, workdir: str | None, isolated: bool, n_cases: int, limits: Limits,
-               stop_after: Callable[[int, CaseOutcome], bool] | None) -> tuple[list[CaseOutcome], str | None]:
+               stop_after: Callable[[int, CaseOutcome], bool] | None
+               ) -> tuple[list[CaseOutcome], str | None, bool]:
     harness = [sys.executable, "-I", "-B", os.path.abspath(sandbox_harness.__file__)]
     argv = [shutil.which("unshare") or "unshare", *_UNSHARE_ARGS, "--", *harness] if isolated else harness
     # SLURM signals every process of a job at a preemption (SIGTERM) and ahead of its time limit (SIGUSR1) while the
@@ -268,7 +270,7 @@ def _supervise(job_file, workdir: str | None, isolated: bool, n_cases: int, limi
     with _RUNNING_LOCK:
         _RUNNING.add(proc)
     outcomes: list[CaseOutcome] = []
-    error = None
+    error, killed = None, False
     budget = _STARTUP_ALLOWANCE_S + n_cases * (limits.wall_s + 1.0)
     deadline = time.monotonic() + budget
     line_cap = 8 * limits.max_output_bytes + 65536
@@ -291,7 +293,11 @@ def _supervise(job_file, workdir: str | None, isolated: bool, n_cases: int, limi
                         selector.unregister(proc.stderr)
                     continue
                 if not chunk:
-                    error = _harness_died(proc.wait(), stderr_tail.decode("utf-8", "replace"))
+                    code = proc.wait()
+                    error = _harness_died(code, stderr_tail.decode("utf-8", "replace"))
+                    # By a signal, not ours: a host's. unshare passes its child's signal on, or, when it cannot
+                    # re-raise it (util-linux 2.38: SIGKILL), says so and exits 1.
+                    killed = code < 0 or code > 128 or b"sigprocmask unblock failed" in stderr_tail
                     break
                 pending += chunk
                 *lines, pending = pending.split(b"\n")
@@ -314,7 +320,7 @@ def _supervise(job_file, workdir: str | None, isolated: bool, n_cases: int, limi
         _terminate(proc, isolated)
         with _RUNNING_LOCK:
             _RUNNING.discard(proc)
-    return outcomes, error
+    return outcomes, error, killed
 
 
 def _harness_died(exit_code: int, stderr: str) -> str:
