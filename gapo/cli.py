@@ -34,12 +34,13 @@ def train_main(argv: list[str] | None = None) -> int:
     first = "RANK" not in os.environ  # the command a person typed, not a rank that gapo.launch started
     try:
         cfg = load_config(args.config, args.overrides + ([f"trainer.resume_from={args.resume}"] if args.resume else []))
-        trainers = _ranks(args, cfg, first)
+        _nproc(args)
         if first:  # before torch, vLLM and DeepSpeed load (seconds): a mistake is named at once, nothing written
             if args.print_config or args.plan is not None or args.rehearse:
                 check_names(cfg)  # it only prints, or rehearses in a folder of its own
             else:
                 preflight.check_start(cfg)
+        trainers = _trainers(args, cfg, first)
     except ConfigError as err:
         print(f"gapo-train: {err}", file=sys.stderr)
         return Exit.CONFIG
@@ -78,15 +79,19 @@ def _train_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _ranks(args: argparse.Namespace, cfg, first: bool) -> int:
-    """Sets args.nproc (a plan without --nproc is for the ranks the config's first line names; otherwise 1) and
-    returns the training ranks, checked against the batch before any rank starts (a batch that does not divide)."""
+def _nproc(args: argparse.Namespace) -> None:
+    """Sets args.nproc: a plan without --nproc is for the ranks the config's first line names; otherwise 1."""
     args.nproc_given = args.nproc is not None
     if args.nproc is None and (args.print_config or args.plan is not None):
         args.nproc = written_for(args.config)
     if args.nproc is not None and args.nproc < 1:
         raise ConfigError(f"--nproc {args.nproc}: expected a number of ranks, at least 1")
     args.nproc = args.nproc or 1
+
+
+def _trainers(args: argparse.Namespace, cfg, first: bool) -> int:
+    """The training ranks of --nproc, checked against the batch before any rank starts (a batch that does not
+    divide)."""
     trainers = args.nproc - cfg.rollout.generator_ranks
     if trainers < 1 and (args.print_config or args.plan is not None):
         raise ConfigError(f"rollout.generator_ranks={cfg.rollout.generator_ranks} of --nproc {args.nproc} leaves no "

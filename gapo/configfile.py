@@ -178,8 +178,9 @@ def _algorithm(algo: Any, file_algo: dict, cli_algo: dict) -> dict:
                      name, ", ".join(f"algorithm.{k}" for k in dropped), file_algo.get("name", "gapo"))
         algo = {k: v for k, v in algo.items() if k not in dropped}
     merged = {**preset_switches(name, algo), **{k: v for k, v in algo.items() if v is not None}}
-    if merged.get("surrogate") is None and merged.get("clip") in RULES:  # the loss its bounds are for (CISPO's: cispo)
-        merged["surrogate"] = RULES[merged["clip"]].surrogate
+    clip = merged.get("clip")
+    if merged.get("surrogate") is None and isinstance(clip, str) and clip in RULES:  # the loss its bounds are for
+        merged["surrogate"] = RULES[clip].surrogate
     # Configs written before each rule had its own shape carry both upper fields, always equal: keep the rule's.
     clip = merged.get("clip")
     own = RULES[clip].upper_field if isinstance(clip, str) and clip in RULES else UPPER_FIELDS[0]
